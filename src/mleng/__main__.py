@@ -1,0 +1,7 @@
+"""`python -m mleng` entry point."""
+
+import sys
+
+from mleng.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Thin commands: parse, call the library, render."""

@@ -1,0 +1,112 @@
+"""The one measurement record every benchmark, check and doctor run produces."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import os
+import secrets
+import time
+from typing import Any
+
+from mleng.errors import StoreError, UsageError
+
+SCHEMA_NAME = "mleng.measurement"
+SCHEMA_VERSION = 1
+SCHEMA = f"{SCHEMA_NAME}/{SCHEMA_VERSION}"
+STATUSES = ("complete", "interrupted", "failed")
+
+
+def utc_now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def new_id(kind: str) -> str:
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    return f"{kind}-{stamp}-{secrets.token_hex(3)}"
+
+
+@dataclasses.dataclass
+class Measurement:
+    """A value with its statistics and its context; rows carry units in their field names."""
+
+    kind: str
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+    machine: dict[str, Any] = dataclasses.field(default_factory=dict)
+    status: str = "complete"
+    error: str | None = None
+    id: str = ""
+    started_at: str = ""
+    elapsed_s: float = 0.0
+    schema: str = SCHEMA
+    _t0: float = dataclasses.field(default=0.0, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            self.id = new_id(self.kind)
+        if not self.started_at:
+            self.started_at = utc_now_iso()
+        self._t0 = time.monotonic()
+
+    @classmethod
+    def start(cls, kind: str, params: dict[str, Any] | None = None,
+              machine: dict[str, Any] | None = None) -> "Measurement":
+        return cls(kind=kind, params=dict(params or {}), machine=dict(machine or {}))
+
+    def finish(self, status: str = "complete", error: str | None = None) -> "Measurement":
+        if status not in STATUSES:
+            raise ValueError(f"unknown status {status!r}")
+        self.status = status
+        self.error = error
+        self.elapsed_s = round(time.monotonic() - self._t0, 3)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": self.schema,
+            "id": self.id,
+            "kind": self.kind,
+            "status": self.status,
+            "started_at": self.started_at,
+            "elapsed_s": self.elapsed_s,
+            "machine": self.machine,
+            "params": self.params,
+            "rows": self.rows,
+            "summary": self.summary,
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Measurement":
+        check_schema(data)
+        missing = [k for k in ("id", "kind", "status") if k not in data]
+        if missing:
+            raise UsageError(f"measurement record lacks required fields: {', '.join(missing)}")
+        return cls(
+            kind=data["kind"], params=data.get("params") or {}, rows=data.get("rows") or [],
+            summary=data.get("summary") or {}, machine=data.get("machine") or {},
+            status=data["status"], error=data.get("error"), id=data["id"],
+            started_at=data.get("started_at", ""), elapsed_s=float(data.get("elapsed_s") or 0.0),
+            schema=data["schema"],
+        )
+
+    @property
+    def host(self) -> str:
+        return str(self.machine.get("host", {}).get("hostname") or os.uname().nodename)
+
+
+def check_schema(data: dict[str, Any]) -> None:
+    """Refuse a record that is not ours or comes from a newer mleng."""
+    schema = data.get("schema")
+    if not isinstance(schema, str) or "/" not in schema:
+        raise UsageError(f"not an mleng measurement record (schema field is {schema!r})")
+    name, _, version = schema.partition("/")
+    if name != SCHEMA_NAME or not version.isdigit():
+        raise UsageError(f"not an mleng measurement record (schema {schema!r})")
+    if int(version) > SCHEMA_VERSION:
+        raise StoreError(
+            f"record uses schema {schema}, newer than this mleng understands ({SCHEMA})",
+            hint="upgrade mleng (pip install -U mleng) to read it",
+        )

@@ -1,0 +1,228 @@
+"""The results store: one SQLite file (WAL) under MLENG_HOME; rank 0 alone writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from pathlib import Path
+from typing import Any, Iterator
+
+from mleng.errors import StoreError, UsageError
+from mleng.results.record import SCHEMA_VERSION, Measurement, check_schema
+
+APPLICATION_ID = 0x6D6C6E67  # "mlng": marks the file as ours
+STORE_FILENAME = "results.sqlite"
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS measurements (
+    id TEXT PRIMARY KEY,
+    kind TEXT NOT NULL,
+    status TEXT NOT NULL,
+    started_at TEXT NOT NULL,
+    host TEXT NOT NULL,
+    schema TEXT NOT NULL,
+    summary TEXT NOT NULL,
+    record TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS measurements_kind ON measurements(kind, started_at);
+"""
+
+
+def mleng_home() -> Path:
+    """MLENG_HOME, else $XDG_DATA_HOME/mleng, else ~/.local/share/mleng."""
+    if os.environ.get("MLENG_HOME"):
+        return Path(os.environ["MLENG_HOME"]).expanduser()
+    xdg = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(xdg).expanduser() / "mleng"
+
+
+def default_store_path() -> Path:
+    return mleng_home() / STORE_FILENAME
+
+
+class Store:
+    """A handle on the results file. Every write is one transaction."""
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = Path(path) if path is not None else default_store_path()
+        self._conn: sqlite3.Connection | None = None
+
+    def __enter__(self) -> "Store":
+        self.connect()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def connect(self) -> sqlite3.Connection:
+        if self._conn is not None:
+            return self._conn
+        self._refuse_if_not_ours_before_open()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+            conn.execute("PRAGMA busy_timeout = 30000")
+            self._check_or_initialize(conn)
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(
+                f"results store {self.path} is not a readable SQLite database ({exc})",
+                hint="move the file away (it was left untouched) or set MLENG_HOME to another directory",
+            ) from exc
+        self._conn = conn
+        return conn
+
+    def _refuse_if_not_ours_before_open(self) -> None:
+        if not self.path.exists():
+            return
+        if self.path.is_dir():
+            raise StoreError(f"results store path {self.path} is a directory",
+                             hint="set MLENG_HOME to a directory where mleng may create results.sqlite")
+        size = self.path.stat().st_size
+        if size == 0:
+            return
+        with open(self.path, "rb") as f:
+            header = f.read(len(SQLITE_HEADER))
+        if header != SQLITE_HEADER:
+            raise StoreError(
+                f"results store {self.path} is not an SQLite database (corrupt or a foreign file)",
+                hint="move the file away (it was left untouched) or set MLENG_HOME to another directory",
+            )
+
+    def _check_or_initialize(self, conn: sqlite3.Connection) -> None:
+        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        user_version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        if app_id == 0 and not tables:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                # Another process may have initialized it while we waited for the lock.
+                if conn.execute("PRAGMA application_id").fetchone()[0] == 0:
+                    for statement in _DDL.split(";"):
+                        if statement.strip():
+                            conn.execute(statement)
+                    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+                    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        if app_id != APPLICATION_ID:
+            raise StoreError(
+                f"results store {self.path} is an SQLite database that mleng did not create "
+                f"(application_id {app_id:#x}, tables: {', '.join(tables) or 'none'})",
+                hint="left untouched; move it away or set MLENG_HOME to another directory",
+            )
+        if user_version > SCHEMA_VERSION:
+            raise StoreError(
+                f"results store {self.path} was written by a newer mleng (store version {user_version}, "
+                f"this mleng knows {SCHEMA_VERSION})",
+                hint="upgrade mleng to read it, or set MLENG_HOME to another directory",
+            )
+        integrity = conn.execute("PRAGMA quick_check").fetchone()[0]
+        if integrity != "ok":
+            raise StoreError(f"results store {self.path} is corrupt: {integrity}",
+                             hint="left untouched; move it away or set MLENG_HOME to another directory")
+        conn.execute("PRAGMA journal_mode = WAL")
+
+    # -- writes -------------------------------------------------------------------------------
+    def save(self, measurement: Measurement | dict[str, Any]) -> str:
+        record = measurement.to_dict() if isinstance(measurement, Measurement) else dict(measurement)
+        check_schema(record)
+        m = Measurement.from_dict(record)
+        conn = self.connect()
+        values = (m.id, m.kind, m.status, m.started_at, m.host, m.schema,
+                  json.dumps(m.summary, default=str), json.dumps(record, default=str))
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.execute(
+                "INSERT OR REPLACE INTO measurements (id, kind, status, started_at, host, schema, summary, record)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)", values)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        return m.id
+
+    def delete(self, measurement_id: str) -> None:
+        full_id = self.resolve_id(measurement_id)
+        conn = self.connect()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.execute("DELETE FROM measurements WHERE id = ?", (full_id,))
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    # -- reads --------------------------------------------------------------------------------
+    def list(self, kind: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        conn = self.connect()
+        sql = "SELECT id, kind, status, started_at, host, summary FROM measurements"
+        args: list[Any] = []
+        if kind:
+            sql += " WHERE kind = ?"
+            args.append(kind)
+        sql += " ORDER BY started_at DESC, id DESC"
+        if limit:
+            sql += " LIMIT ?"
+            args.append(int(limit))
+        rows = []
+        for id_, kind_, status, started_at, host, summary in conn.execute(sql, args):
+            rows.append({"id": id_, "kind": kind_, "status": status, "started_at": started_at,
+                         "host": host, "summary": json.loads(summary)})
+        return rows
+
+    def resolve_id(self, measurement_id: str) -> str:
+        """Accept a full id or a unique prefix, or 'last' for the newest."""
+        conn = self.connect()
+        if measurement_id == "last":
+            row = conn.execute("SELECT id FROM measurements ORDER BY started_at DESC, id DESC LIMIT 1").fetchone()
+            if row is None:
+                raise UsageError("no measurements stored yet", hint="run a benchmark first, e.g. `mleng mamf`")
+            return row[0]
+        matches = [r[0] for r in conn.execute(
+            "SELECT id FROM measurements WHERE id = ? OR id LIKE ? ESCAPE '\\' LIMIT 5",
+            (measurement_id, _like_prefix(measurement_id)))]
+        if measurement_id in matches:
+            return measurement_id
+        if not matches:
+            raise UsageError(f"no measurement with id {measurement_id!r}",
+                             hint="`mleng results list` shows the stored ids")
+        if len(matches) > 1:
+            raise UsageError(f"id prefix {measurement_id!r} is ambiguous: {', '.join(matches)}",
+                             hint="give more of the id")
+        return matches[0]
+
+    def get(self, measurement_id: str) -> Measurement:
+        full_id = self.resolve_id(measurement_id)
+        (record,) = self.connect().execute("SELECT record FROM measurements WHERE id = ?", (full_id,)).fetchone()
+        return Measurement.from_dict(json.loads(record))
+
+    def iter_records(self, kind: str | None = None) -> Iterator[Measurement]:
+        for row in self.list(kind=kind):
+            yield self.get(row["id"])
+
+
+def _like_prefix(prefix: str) -> str:
+    escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return escaped + "%"
+
+
+def save_measurement(measurement: Measurement, store_path: str | os.PathLike | None = None) -> str:
+    """Save one record in the default (or given) store; the usual call at the end of a run."""
+    with Store(store_path) as store:
+        return store.save(measurement)
