@@ -1,0 +1,28 @@
+"""Shared fixtures: every test gets its own MLENG_HOME, so no test touches a user's results."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def mleng_home(tmp_path, monkeypatch):
+    home = tmp_path / "mleng-home"
+    monkeypatch.setenv("MLENG_HOME", str(home))
+    return home
+
+
+@pytest.fixture
+def run_mleng(mleng_home):
+    """Run the real `mleng` CLI in a subprocess (python -m mleng) and return the CompletedProcess."""
+
+    def _run(*args, timeout=120, env=None, input=None):
+        full_env = dict(os.environ)
+        full_env["MLENG_HOME"] = str(mleng_home)
+        full_env.update(env or {})
+        return subprocess.run([sys.executable, "-m", "mleng", *args], capture_output=True, text=True,
+                              timeout=timeout, env=full_env, input=input)
+
+    return _run
