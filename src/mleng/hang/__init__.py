@@ -1,0 +1,1 @@
+"""Hang forensics: py-spy stacks of every rank, and flight-recorder traces compared across ranks."""
