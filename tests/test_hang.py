@@ -30,7 +30,7 @@ def _torchrun(nproc: int, script: Path, *args: str, env: dict | None = None) -> 
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True)
 
 
-def _wait_ready(proc: subprocess.Popen, nranks: int, timeout: float = 60) -> None:
+def _wait_ready(proc: subprocess.Popen, nranks: int, timeout: float = 180) -> None:
     ready, deadline = 0, time.monotonic() + timeout
     while ready < nranks and time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -50,8 +50,8 @@ def test_dump_names_the_rank_that_skipped_the_collective(run_mleng):
     job = _torchrun(3, JOBS / "hung_rank_skips_allreduce.py")
     try:
         _wait_ready(job, 3)
-        result = run_mleng("hang", "dump", "--pid", str(job.pid), "--json", timeout=60)
-        human = run_mleng("hang", "dump", "--pid", str(job.pid), timeout=60)
+        result = run_mleng("hang", "dump", "--pid", str(job.pid), "--json", timeout=180)
+        human = run_mleng("hang", "dump", "--pid", str(job.pid), timeout=180)
     finally:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait(10)
