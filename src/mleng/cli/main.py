@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if not hasattr(args, "json"):
         args.json = False
+    args._argv = list(argv)  # commands that re-run themselves as N local ranks (comm, check) need it
     try:
         return int(module.run(args) or 0)
     except MlengError as exc:

@@ -1,1 +1,1 @@
-"""mleng.machine"""
+"""The environment fingerprint of the machine a measurement ran on (see mleng.machine.fingerprint)."""
