@@ -1,0 +1,106 @@
+"""`mleng doctor`: run the checks and quick measurements and say what is wrong, with the numbers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mleng.cli.render import print_json
+from mleng.errors import EXIT_OK, EXIT_PROBLEM, UsageError
+
+MARK = {"fail": "FAIL", "warn": "WARN", "ok": "ok", "inconclusive": "??", "skipped": "--"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    tier = parser.add_mutually_exclusive_group()
+    tier.add_argument("--quick", action="store_true", help="preflight: about 30 s, the smallest measurements")
+    tier.add_argument("--full", action="store_true", help="deep run: larger sweeps, every collective, more storage")
+    parser.add_argument("--expect-gpus", type=int, help="GPUs this node must have (default: from SLURM/torchrun env)")
+    parser.add_argument("--checkpoint-dir", help="where checkpoints go: free space, inodes, write speed (default: .)")
+    parser.add_argument("--no-measure", action="store_true", help="checks only, no measurements")
+    parser.add_argument("--fingerprint", metavar="FILE.json",
+                        help="diagnose a recorded fingerprint (`mleng env --json` from another node) instead of "
+                             "this machine; implies --no-measure")
+    parser.add_argument("--report", metavar="FILE.html", help="also write a self-contained HTML report")
+    parser.add_argument("--no-store", action="store_true", help="do not save the doctor run in the results store")
+
+
+def _load_fingerprint(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read fingerprint {path}: {exc}", hint="pass the output of `mleng env --json`")
+    if not isinstance(data, dict) or "gpus" not in data:
+        raise UsageError(f"{path} is not an mleng fingerprint (no 'gpus' section)",
+                         hint="pass the output of `mleng env --json`")
+    return data.get("machine", data) if "schema" in data and str(data["schema"]).startswith("mleng.measurement") \
+        else data
+
+
+def run(args: argparse.Namespace) -> int:
+    from mleng.doctor.runner import run_doctor
+
+    tier = "quick" if args.quick else ("full" if args.full else "default")
+    fingerprint = _load_fingerprint(args.fingerprint) if args.fingerprint else None
+    progress = None if args.json else (lambda text: print(f"... {text}", file=sys.stderr, flush=True))
+    record = run_doctor(tier=tier, expect_gpus=args.expect_gpus, checkpoint_dir=args.checkpoint_dir,
+                        measure=not (args.no_measure or args.fingerprint), fingerprint=fingerprint,
+                        on_step=progress)
+    if not args.no_store:
+        from mleng.results.store import save_measurement
+
+        save_measurement(record)
+    if args.report:
+        from mleng.report.html import write_report
+
+        write_report([record], args.report)
+    if args.json:
+        print_json(record.to_dict())
+    else:
+        print(render(record))
+        if args.report:
+            print(f"report: {args.report}")
+    return EXIT_PROBLEM if record.summary["verdict"] == "fail" else EXIT_OK
+
+
+def _collapse_per_gpu(rows: list[dict]) -> list[dict]:
+    """One line for a check that is ok (or not applicable) on every GPU, instead of one per GPU."""
+    out, folded = [], {}
+    for row in rows:
+        per_gpu = str(row.get("subject") or "").startswith("gpu ")
+        if per_gpu and row["severity"] in ("ok", "skipped"):
+            key = (row["check"], row["severity"])
+            if key not in folded:
+                folded[key] = {**row, "gpus": []}
+                out.append(folded[key])
+            folded[key]["gpus"].append(row["subject"].split(" ")[1])
+            continue
+        out.append(row)
+    for row in folded.values():
+        if len(row["gpus"]) > 1:
+            detail = row["summary"].split(": ", 1)[-1]
+            row["summary"] = f"{len(row['gpus'])} GPUs ({', '.join(row['gpus'])}): {detail}"
+    return out
+
+
+def render(record) -> str:
+    machine = record.machine
+    gpus = machine.get("gpus") or {}
+    host = (machine.get("host") or {}).get("hostname", "?")
+    gpu_text = (f"{gpus.get('count', len(gpus.get('devices') or []))} GPU(s)" if gpus.get("available")
+                else f"no GPU ({gpus.get('reason', 'unknown')})")
+    lines = [f"mleng doctor ({record.params['tier']}) on {host}: {gpu_text}", ""]
+    for row in _collapse_per_gpu(record.rows):
+        lines.append(f"[{MARK[row['severity']]:>4}] {row['check']:<16} {row['summary']}")
+        if row["severity"] in ("fail", "warn"):
+            if row.get("cause"):
+                lines.append(f"{'':23}likely cause: {row['cause']}")
+            if row.get("handbook"):
+                lines.append(f"{'':23}read: " + ", ".join(f"mleng handbook show {h}" for h in row["handbook"][:3]))
+    counts = record.summary["counts"]
+    lines += ["", f"verdict: {record.summary['verdict'].upper()}  ({counts['fail']} fail, {counts['warn']} warn, "
+              f"{counts['ok']} ok, {counts['inconclusive']} inconclusive, {counts['skipped']} not applicable)",
+              f"stored as {record.id} (mleng results show {record.id})"]
+    return "\n".join(lines)

@@ -1,0 +1,94 @@
+"""`mleng upgrade`: does moving from one GPU to another pay for itself."""
+
+from __future__ import annotations
+
+import argparse
+
+from mleng.cli.render import print_json, table
+from mleng.errors import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--from", dest="from_gpu", required=True, help="the GPU you have, e.g. h200")
+    parser.add_argument("--to", dest="to_gpu", required=True, help="the GPU you consider, e.g. b200")
+    parser.add_argument("--price-from", type=float, required=True, help="$ per GPU-hour of --from")
+    parser.add_argument("--price-to", type=float, required=True, help="$ per GPU-hour of --to")
+    parser.add_argument("--workload", choices=["dense", "attention"], default="dense",
+                        help="dense: matmul-bound; attention: transformer training whose attention share "
+                             "grows with --seq-len (default: dense)")
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--model-params", type=float, default=8e9, help="parameter count, e.g. 8e9")
+    parser.add_argument("--hidden", type=int, help="hidden size (default: estimated from --model-params)")
+    parser.add_argument("--layers", type=int, help="layer count (default: estimated from --model-params)")
+    parser.add_argument("--dtype", default="bf16", help="compute dtype for the rates (default bf16)")
+    parser.add_argument("--need-dtype", help="a dtype the recipe cannot do without (e.g. fp4): gate 1")
+    parser.add_argument("--mfu", type=float, default=0.40,
+                        help="model FLOPs utilization on --from, for cost per million tokens (default 0.40)")
+    parser.add_argument("--memory-fixed-gib", type=float,
+                        help="per-GPU memory independent of seq_len (default: the book's 8B ZeRO-3 config, scaled)")
+    parser.add_argument("--memory-per-token-gib", type=float, help="per-GPU memory per token of seq_len")
+    parser.add_argument("--from-run", help="stored `mleng mamf` run measured on --from")
+    parser.add_argument("--to-run", help="stored `mleng mamf` run measured on --to")
+
+
+def _mamf_value(run_id: str | None) -> float | None:
+    if not run_id:
+        return None
+    from mleng.results.store import Store
+
+    with Store() as store:
+        m = store.get(run_id)
+    if m.kind != "mamf" or not isinstance(m.summary.get("value"), (int, float)):
+        raise UsageError(f"run {m.id} is a {m.kind} run without a TFLOPS headline",
+                         hint="pass the id of an `mleng mamf` run (`mleng results list --kind mamf`)")
+    return float(m.summary["value"])
+
+
+def run(args: argparse.Namespace) -> int:
+    from mleng.decide.upgrade import Workload, decide
+    from mleng.specs import lookup_accelerator
+
+    if (args.from_run is None) != (args.to_run is None):
+        raise UsageError("--from-run and --to-run go together", hint="give both stored MAMF runs, or neither")
+    workload = Workload(kind=args.workload, seq_len=args.seq_len, model_params=args.model_params,
+                        hidden=args.hidden, layers=args.layers, dtype=args.dtype, need_dtype=args.need_dtype,
+                        mfu=args.mfu, memory_fixed_gib=args.memory_fixed_gib,
+                        memory_per_token_gib=args.memory_per_token_gib)
+    result = decide(lookup_accelerator(args.from_gpu), lookup_accelerator(args.to_gpu), args.price_from,
+                    args.price_to, workload, _mamf_value(args.from_run), _mamf_value(args.to_run))
+    if args.json:
+        print_json(result)
+        return 0
+    print(render(result))
+    return 0
+
+
+def render(result: dict) -> str:
+    gate1, gate2, cost = result["gate1_capability"], result["gate2_throughput"], result["cost"]
+    lines = [f"{result['from']} -> {result['to']} ({result['dtype']}, {result['workload']['kind']} workload, "
+             f"seq_len {result['workload']['seq_len']})", "",
+             "gate 1, capability: " + ("PASSED" if gate1["passed"] else "nothing the old GPU cannot do")]
+    lines += [f"  - {r}" for r in gate1["reasons"]]
+    lines.append(f"  memory needed ~{gate1['memory_needed_gib']} GiB/GPU; usable "
+                 f"{gate1['usable_memory_gib']['from']} -> {gate1['usable_memory_gib']['to']} GiB; "
+                 f"longest seq_len that fits {gate1['max_seq_len']['from']} -> {gate1['max_seq_len']['to']}")
+    lines += ["", "gate 2, throughput and cost:"]
+    rows = [
+        {"measure": "speedup from spec peak", "value": gate2["spec_speedup"]},
+        {"measure": "speedup from stored MAMF runs", "value": gate2["mamf_speedup"]},
+        {"measure": "memory bandwidth ratio", "value": gate2["memory_bandwidth_speedup"]},
+        {"measure": "attention share of step FLOPs", "value": gate2["attention_share"]},
+        {"measure": f"speedup used ({gate2['speedup_source']}, workload-aware)", "value": gate2["speedup"]},
+        {"measure": "price ratio", "value": cost["price_ratio"]},
+        {"measure": "$ per million tokens, from", "value": cost["cost_per_million_tokens"]["from"]},
+        {"measure": "$ per million tokens, to", "value": cost["cost_per_million_tokens"]["to"]},
+        {"measure": "$ per PFLOP, from", "value": cost["cost_per_pflop"]["from"]},
+        {"measure": "$ per PFLOP, to", "value": cost["cost_per_pflop"]["to"]},
+        {"measure": "break-even price of --to ($/GPU-hour)", "value": cost["break_even_price_to"]},
+    ]
+    lines.append(table(rows, ["measure", "value"]))
+    lines += ["", f"verdict: {result['verdict'].upper()}"]
+    lines += [f"  - {r}" for r in result["reasons"]]
+    lines.append(f"  ($ per million tokens assumes {cost['assumed_mfu_from'] * 100:.0f}% MFU on the old GPU; "
+                 "the ratios do not depend on it)")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Decisions from measurements and specs: GPU upgrade economics."""

@@ -1,0 +1,145 @@
+"""`mleng doctor`: fingerprint, health checks, quick measurements against the specs, findings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+from mleng.doctor import checks
+from mleng.doctor.findings import SEVERITY_RANK, Finding, inconclusive, worst
+from mleng.results.record import Measurement
+
+TIERS = ("quick", "default", "full")
+
+
+def _measurement_plan(tier: str, has_gpu: bool, checkpoint_dir: str) -> list[tuple[str, list[str], float]]:
+    """(name, mleng argv, timeout_s) per quick measurement; sizes grow with the tier."""
+    mamf_seconds = {"quick": 8, "default": 20, "full": 60}[tier]
+    mamf = ["mamf", "--max-seconds", str(mamf_seconds)]
+    if not has_gpu:
+        mamf += ["--device", "cpu", "--max-dim", "1024" if tier != "full" else "2048"]
+    comm_max = {"quick": "16M", "default": "64M", "full": "4G"}[tier] if has_gpu else \
+        {"quick": "4M", "default": "16M", "full": "64M"}[tier]
+    comm = ["comm", "--op", "all_reduce" if tier != "full" else "all", "-b", "1M", "-e", comm_max,
+            "--iters", "10" if tier != "full" else "20", "--timeout", "60"]
+    membw = ["membw"] + (["--size", "256M"] if not has_gpu and tier != "full" else [])
+    plan = [("matmul", mamf, mamf_seconds + 120), ("collective", comm, 240), ("membw", membw, 180)]
+    if tier != "quick":
+        io_size = {"default": "256MiB", "full": "2GiB"}[tier]
+        plan.append(("storage", ["io", checkpoint_dir, "--size", io_size, "--jobs", "2", "--duration", "3"], 240))
+    return plan
+
+
+def run_mleng_json(argv: list[str], timeout_s: float) -> dict[str, Any]:
+    """Run one mleng command in its own process, so a crash or hang there cannot take the doctor down."""
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-m", "mleng", *argv, "--json"], capture_output=True, text=True,
+                              timeout=timeout_s, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except subprocess.TimeoutExpired:
+        return {"error": f"did not finish within {timeout_s:.0f} s", "elapsed_s": time.monotonic() - started}
+    elapsed = time.monotonic() - started
+    try:
+        record = json.loads(done.stdout)
+    except ValueError:
+        message = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        return {"error": message, "exit_code": done.returncode, "elapsed_s": elapsed}
+    return {"record": record, "exit_code": done.returncode, "elapsed_s": elapsed,
+            "stderr_tail": done.stderr.strip().splitlines()[-1:]}
+
+
+def _load_samples(record: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Per-GPU clock summaries under load, from a mamf record's NVML monitor."""
+    monitor = (record.get("summary") or {}).get("monitor") or (record.get("params") or {}).get("monitor") or {}
+    per_device = monitor.get("devices") if isinstance(monitor, dict) else None
+    samples: dict[int, dict[str, Any]] = {}
+    if isinstance(per_device, dict):
+        for index, summary in per_device.items():
+            samples[int(index)] = summary
+    elif isinstance(monitor, dict) and monitor.get("sm_clock_mean_mhz") is not None:
+        index = (record.get("params") or {}).get("device_index", 0)
+        samples[int(index) if str(index).isdigit() else 0] = monitor
+    return samples
+
+
+def _vendor(fp: dict[str, Any]) -> str | None:
+    devices = checks._devices(fp)
+    if not devices:
+        return None
+    name = str(devices[0].get("name", "")).lower()
+    return "amd" if "amd" in name or "instinct" in name else ("intel" if "gaudi" in name else "nvidia")
+
+
+def judge_measurement(name: str, outcome: dict[str, Any], fp: dict[str, Any], checkpoint_dir: str) -> list[Finding]:
+    if "record" not in outcome:
+        return [inconclusive(name, f"{name} measurement could not run: {outcome.get('error')}")]
+    record = outcome["record"]
+    summary = dict(record.get("summary") or {})
+    if record.get("status") == "failed" or summary.get("value") is None and name != "storage":
+        return [inconclusive(name, f"{name} measurement failed: {record.get('error') or 'no result'}")]
+    if name == "matmul":
+        summary.setdefault("dtype", (record.get("params") or {}).get("dtype"))
+        return [checks.check_matmul(summary, _vendor(fp))]
+    if name == "collective":
+        return [checks.check_busbw(summary)]
+    if name == "membw":
+        return [checks.check_membw(summary)]
+    if name == "storage":
+        write = summary.get("checkpoint_write_gbps")
+        if write is None:
+            for row in record.get("rows") or []:
+                if str(row.get("workload", "")).startswith(("checkpoint_save", "save")):
+                    write = row.get("bandwidth_gbps")
+                    break
+        return [checks.check_storage(write, checkpoint_dir)]
+    return []
+
+
+def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint_dir: str | None = None,
+               measure: bool = True, fingerprint: dict[str, Any] | None = None,
+               on_step: Callable[[str], None] | None = None) -> Measurement:
+    """Everything `mleng doctor` does, as one Measurement of kind "doctor" whose rows are findings."""
+    checkpoint_dir = checkpoint_dir or os.getcwd()
+    step = on_step or (lambda _text: None)
+    step("fingerprint")
+    if fingerprint is None:
+        from mleng.machine.fingerprint import collect
+
+        fingerprint = collect()
+    record = Measurement.start("doctor", params={"tier": tier, "expect_gpus": expect_gpus,
+                                                 "checkpoint_dir": checkpoint_dir, "measure": measure},
+                               machine=fingerprint)
+    findings: list[Finding] = []
+    measurements: dict[str, str] = {}
+    load_samples: dict[int, dict[str, Any]] = {}
+    has_gpu = bool(checks._devices(fingerprint))
+    interrupted = False
+    try:
+        if measure:
+            for name, argv, timeout_s in _measurement_plan(tier, has_gpu, checkpoint_dir):
+                step(f"measure {name}: mleng {' '.join(argv)}")
+                outcome = run_mleng_json(argv, timeout_s)
+                if "record" in outcome:
+                    measurements[name] = outcome["record"].get("id")
+                    if name == "matmul":
+                        load_samples = _load_samples(outcome["record"])
+                findings += judge_measurement(name, outcome, fingerprint, checkpoint_dir)
+    except KeyboardInterrupt:
+        interrupted = True
+    step("checks")
+    findings += checks.check_gpu_count(fingerprint, expect_gpus)
+    findings += checks.check_clocks(fingerprint, load_samples)
+    for name in ("ecc", "pcie_link", "nvlink", "numa_affinity", "nccl_env", "dev_shm", "memlock"):
+        findings += checks.FINGERPRINT_CHECKS[name](fingerprint)
+    findings += checks.check_disk(checkpoint_dir)
+    findings.sort(key=lambda f: SEVERITY_RANK[f.severity])
+    record.rows = [f.to_row() for f in findings]
+    counts = {s: sum(f.severity == s for f in findings) for s in ("fail", "warn", "ok", "inconclusive", "skipped")}
+    record.summary = {"verdict": worst(findings), "value": None, "unit": "", "counts": counts,
+                      "measurements": measurements,
+                      "handbook": sorted({h for f in findings if f.severity in ("fail", "warn") for h in f.handbook})}
+    return record.finish("interrupted" if interrupted else "complete")
