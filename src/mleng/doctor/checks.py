@@ -420,7 +420,7 @@ def check_busbw(summary: dict[str, Any]) -> Finding:
 
 
 def check_membw(summary: dict[str, Any]) -> Finding:
-    return judge_ratio("membw", "device memory copy bandwidth", summary.get("value"), summary.get("theoretical"),
+    return judge_ratio("membw", f"{summary.get('device', 'device')} memory copy bandwidth", summary.get("value"), summary.get("theoretical"),
                        summary.get("unit", "GB/s"), MEMBW_BANDS, ["low-matmul-tflops"],
                        no_reference="no memory-bandwidth spec for this device")
 

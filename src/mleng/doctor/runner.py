@@ -53,17 +53,16 @@ def run_mleng_json(argv: list[str], timeout_s: float) -> dict[str, Any]:
 
 
 def _load_samples(record: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    """Per-GPU clock summaries under load, from a mamf record's NVML monitor."""
-    monitor = (record.get("summary") or {}).get("monitor") or (record.get("params") or {}).get("monitor") or {}
-    per_device = monitor.get("devices") if isinstance(monitor, dict) else None
-    samples: dict[int, dict[str, Any]] = {}
-    if isinstance(per_device, dict):
-        for index, summary in per_device.items():
-            samples[int(index)] = summary
-    elif isinstance(monitor, dict) and monitor.get("sm_clock_mean_mhz") is not None:
-        index = (record.get("params") or {}).get("device_index", 0)
-        samples[int(index) if str(index).isdigit() else 0] = monitor
-    return samples
+    """Per-GPU clock under load, from the NVML monitor of a mamf run (the timed phases, not warm-up)."""
+    summary = record.get("summary") or {}
+    monitor = summary.get("gpu_monitor_measuring") or summary.get("gpu_monitor") or {}
+    if not monitor.get("available") or not monitor.get("sm_clock_mhz"):
+        return {}
+    device = str(summary.get("device") or "cuda:0")
+    index = int(device.rsplit(":", 1)[-1]) if device.rsplit(":", 1)[-1].isdigit() else 0
+    return {index: {"sm_clock_mean_mhz": monitor["sm_clock_mhz"]["mean"],
+                    "sm_clock_max_mhz": monitor.get("sm_clock_max_mhz"),
+                    "throttle_reasons": sorted(monitor.get("throttle_reasons") or {})}}
 
 
 def _vendor(fp: dict[str, Any]) -> str | None:
@@ -89,13 +88,7 @@ def judge_measurement(name: str, outcome: dict[str, Any], fp: dict[str, Any], ch
     if name == "membw":
         return [checks.check_membw(summary)]
     if name == "storage":
-        write = summary.get("checkpoint_write_gbps")
-        if write is None:
-            for row in record.get("rows") or []:
-                if str(row.get("workload", "")).startswith(("checkpoint_save", "save")):
-                    write = row.get("bandwidth_gbps")
-                    break
-        return [checks.check_storage(write, checkpoint_dir)]
+        return [checks.check_storage(summary.get("ckpt_save_gbps"), checkpoint_dir)]
     return []
 
 

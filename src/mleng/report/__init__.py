@@ -1,1 +1,1 @@
-"""mleng.report"""
+"""HTML reports of stored runs, with plots drawn as inline SVG (no CDN, no plotting library)."""
