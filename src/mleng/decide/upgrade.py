@@ -25,6 +25,7 @@ REFERENCE_LAYERS = 32
 # hidden/layers of common decoder models (Llama-3.1-8B: 4096/32 = 128), for estimating a shape
 # from a parameter count alone.
 HIDDEN_PER_LAYER = 128
+USABLE_MEMORY_FRACTION = 0.93
 DTYPE_ORDER = ("fp64", "fp32", "tf32", "fp16", "bf16", "fp8", "fp6", "fp4")
 
 
@@ -81,9 +82,9 @@ def max_seq_len(workload: Workload, usable_gib: float) -> int:
 
 
 def usable_memory_gib(accelerator: Any) -> float:
-    """Vendors label HBM in GB (10^9 bytes); what a program can allocate is that many bytes."""
-    return float(accelerator.memory_gb) * 1e9 / GIB if getattr(accelerator, "memory_gb", None) \
-        else float(accelerator.memory_gib)
+    """What a training job can allocate: the CUDA context, NCCL buffers and allocator slack take the
+    rest (the book measures ~130 GiB usable of an H200's 141)."""
+    return float(accelerator.memory_gib) * USABLE_MEMORY_FRACTION
 
 
 def _rate(accelerator: Any, dtype: str) -> float | None:
