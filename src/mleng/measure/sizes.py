@@ -1,0 +1,42 @@
+"""Byte sizes as users type them (64MiB, 4GiB, 1.5G) and as the output shows them (binary prefixes)."""
+
+from __future__ import annotations
+
+import re
+
+from mleng.errors import UsageError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 2**10, "kb": 10**3, "kib": 2**10,
+    "m": 2**20, "mb": 10**6, "mib": 2**20,
+    "g": 2**30, "gb": 10**9, "gib": 2**30,
+    "t": 2**40, "tb": 10**12, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int, what: str = "size") -> int:
+    """Bytes from '64MiB', '4GiB', '1G' (a bare K/M/G/T is binary, KB/MB/GB/TB decimal)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE.match(str(text))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise UsageError(f"{what} {text!r} is not a size",
+                             hint="write it like 64MiB, 4GiB, 1G or a plain number of bytes")
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise UsageError(f"{what} must be more than 0 bytes (got {text!r})")
+    return value
+
+
+def format_bytes(n: float) -> str:
+    """Binary prefixes for display: 4.0 GiB, 512 MiB, 4 KiB."""
+    n = float(n)
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            value = n / scale
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{n:.0f} B"
