@@ -73,15 +73,24 @@ def _collapse_per_gpu(rows: list[dict]) -> list[dict]:
         if per_gpu and row["severity"] in ("ok", "skipped"):
             key = (row["check"], row["severity"])
             if key not in folded:
-                folded[key] = {**row, "gpus": []}
+                folded[key] = {**row, "members": []}
                 out.append(folded[key])
-            folded[key]["gpus"].append(row["subject"].split(" ")[1])
+            folded[key]["members"].append(row)
             continue
         out.append(row)
     for row in folded.values():
-        if len(row["gpus"]) > 1:
-            detail = row["summary"].split(": ", 1)[-1]
-            row["summary"] = f"{len(row['gpus'])} GPUs ({', '.join(row['gpus'])}): {detail}"
+        members = row.pop("members")
+        if len(members) == 1:
+            continue
+        gpus = ", ".join(m["subject"].split(" ")[1] for m in members)
+        details = {m["summary"].split(": ", 1)[-1] for m in members}
+        if len(details) == 1:
+            row["summary"] = f"{len(members)} GPUs ({gpus}): {details.pop()}"
+        else:
+            measured = [m["measured"] for m in members if isinstance(m.get("measured"), (int, float))]
+            spread = f"; measured {min(measured):.4g}-{max(measured):.4g}" if measured else ""
+            expected = f" (expected {members[0]['expected']})" if members[0].get("expected") is not None else ""
+            row["summary"] = f"{len(members)} GPUs ({gpus}) {row['severity']}{spread}{expected}"
     return out
 
 
