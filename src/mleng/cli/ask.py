@@ -1,0 +1,71 @@
+"""`mleng ask`: the handbook entries that best explain a pasted error line or a described symptom."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mleng.errors import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("text", nargs="*", help="the error line or symptom; '-' or nothing reads stdin")
+    parser.add_argument("--limit", type=int, default=5, help="how many entries to show (default 5)")
+
+
+def read_query(words: list[str]) -> str:
+    if not words or words == ["-"]:
+        if sys.stdin.isatty():
+            raise UsageError("no text to look up",
+                             hint='pass the error line: mleng ask "NCCL error: unhandled system error", or pipe it in')
+        from mleng.handbook.search import MAX_QUERY_CHARS
+
+        text = sys.stdin.read(MAX_QUERY_CHARS + 1)
+        if len(text) > MAX_QUERY_CHARS:
+            print(f"mleng ask: note: only the first {MAX_QUERY_CHARS} characters are used; "
+                  "to scan a whole log use `mleng triage FILE`", file=sys.stderr)
+        return text[:MAX_QUERY_CHARS]
+    return " ".join(words)
+
+
+def warn_skipped(skipped: list[dict], command: str) -> None:
+    for item in skipped:
+        print(f"mleng {command}: warning: skipped malformed entry {item['file']}: {item['field']}: "
+              f"{item['message']} (run `mleng handbook lint`)", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mleng.handbook.search import ask
+
+    if args.limit < 1:
+        raise UsageError(f"--limit must be at least 1, got {args.limit}")
+    query = read_query(args.text)
+    if not query.strip():
+        raise UsageError("the text to look up is empty", hint='pass the error line: mleng ask "..."')
+    results, skipped = ask(query, limit=args.limit)
+    warn_skipped(skipped, "ask")
+    if args.json:
+        from mleng.cli.render import print_json
+
+        print_json({"query": query, "results": results})
+        return 0
+    if not results:
+        print("no handbook entry matches; try the exact error line, or fewer, more specific words")
+        return 0
+    print(render_results(results))
+    return 0
+
+
+def render_results(results: list[dict]) -> str:
+    blocks = []
+    for rank, r in enumerate(results, start=1):
+        lines = [f"{rank}. {r['title']}  [{r['category']}]  score {r['score']:.2f}",
+                 f"   why: {r['cause']}"]
+        lines.append("   confirm:")
+        lines.extend(f"     - {c}" for c in r["confirm"])
+        lines.append("   fix:")
+        lines.extend(f"     - {f}" for f in r["fix"])
+        lines.append("   sources: " + " ".join(r["sources"]))
+        lines.append(f"   id: {r['id']}   (mleng handbook show {r['id']})")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)

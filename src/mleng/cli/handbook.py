@@ -1,0 +1,147 @@
+"""`mleng handbook`: lint the entries, list and show them, export the static site and the agent skill."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mleng.cli.main import json_parent
+from mleng.cli.render import print_json, table
+from mleng.errors import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    sub.add_parser("lint", parents=[json_parent()],
+                   help="check every entry against the format; exit 1 on problems")
+    listing = sub.add_parser("list", parents=[json_parent()], help="entry ids and titles, by category")
+    listing.add_argument("--category", help="only this category")
+    show = sub.add_parser("show", parents=[json_parent()], help="one entry in full")
+    show.add_argument("id")
+    site = sub.add_parser("site", parents=[json_parent()],
+                          help="a static, self-contained HTML site with search (works from file://)")
+    site.add_argument("out", help="output directory (created; existing pages are overwritten)")
+    skill = sub.add_parser("skill", parents=[json_parent()],
+                           help="a SKILL.md teaching an AI agent to use mleng and the handbook")
+    skill.add_argument("out", help="output directory or .md file path")
+
+
+def run(args: argparse.Namespace) -> int:
+    return {"lint": _lint, "list": _list, "show": _show, "site": _site, "skill": _skill}[args.action](args)
+
+
+def _lint(args) -> int:
+    from mleng.handbook.lint import lint
+    from mleng.handbook.model import default_entries_dir
+
+    directory = default_entries_dir()
+    count, problems = lint(directory)
+    if args.json:
+        print_json({"directory": str(directory), "entries": count, "ok": not problems,
+                    "problems": [p.to_dict() for p in problems]})
+    else:
+        for problem in problems:
+            print(problem)
+        files_with_problems = len({p.file for p in problems})
+        verdict = "ok" if not problems else \
+            f"{_plural(len(problems), 'problem')} in {_plural(files_with_problems, 'file')}"
+        print(f"mleng handbook lint: {_plural(count, 'entry', 'entries')} in {directory}: {verdict}",
+              file=sys.stderr if problems else sys.stdout)
+    return 1 if problems else 0
+
+
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
+def _entries(command: str):
+    from mleng.cli.ask import warn_skipped
+    from mleng.handbook.index import open_index
+
+    index = open_index()
+    try:
+        warn_skipped(index.skipped, command)
+        return [e.data for e in index.entries]
+    finally:
+        index.close()
+
+
+def _list(args) -> int:
+    from mleng.handbook.model import CATEGORIES
+
+    if args.category and args.category not in CATEGORIES:
+        raise UsageError(f"unknown category {args.category!r}", hint="use one of: " + ", ".join(CATEGORIES))
+    entries = [e for e in _entries("handbook list") if not args.category or e["category"] == args.category]
+    order = {c: i for i, c in enumerate(CATEGORIES)}
+    entries.sort(key=lambda e: (order.get(e["category"], 99), e["id"]))
+    if args.json:
+        print_json({"entries": [{k: e[k] for k in ("id", "title", "category")} for e in entries]})
+    else:
+        print(table(entries, ["category", "id", "title"]))
+        print(f"{len(entries)} entries")
+    return 0
+
+
+def _show(args) -> int:
+    entries = {e["id"]: e for e in _entries("handbook show")}
+    entry = entries.get(args.id)
+    if entry is None:
+        import difflib
+
+        close = difflib.get_close_matches(args.id, list(entries), n=3, cutoff=0.4)
+        raise UsageError(f"no handbook entry {args.id!r}",
+                         hint=("did you mean: " + ", ".join(close)) if close else "see `mleng handbook list`")
+    if args.json:
+        print_json({k: v for k, v in entry.items() if k != "path"})
+        return 0
+    print(render_entry(entry))
+    return 0
+
+
+def render_entry(entry: dict) -> str:
+    lines = [entry["title"], f"id: {entry['id']}   category: {entry['category']}", ""]
+    lines.append(f"applies to: {entry['applies_to'].get('software', '-')}; {entry['applies_to'].get('hardware', '-')}")
+    lines.append("")
+    lines.append("symptoms:")
+    lines.extend(f"  - {s}" for s in entry["symptoms"])
+    lines.append("")
+    lines.append(f"cause: {entry['cause']}")
+    for name, items in (("confirm", entry["confirm"]), ("fix", entry["fix"])):
+        lines.append("")
+        lines.append(f"{name}:")
+        lines.extend(f"  - {i}" for i in items)
+    for heading, text in entry["sections"].items():
+        lines.extend(["", f"## {heading}", text])
+    lines.append("")
+    lines.append("sources:")
+    lines.extend(f"  - {s}" for s in entry["sources"])
+    if entry.get("related"):
+        lines.append("related: " + ", ".join(entry["related"]))
+    if entry.get("reproduction"):
+        lines.append(f"reproduction: {entry['reproduction']}")
+    return "\n".join(lines)
+
+
+def _site(args) -> int:
+    from mleng.handbook.site import write_site
+
+    entries = _entries("handbook site")
+    index_path = write_site(entries, Path(args.out))
+    if args.json:
+        print_json({"out": str(Path(args.out)), "index": str(index_path), "entries": len(entries)})
+    else:
+        print(f"wrote {len(entries)} entry pages and {index_path}")
+    return 0
+
+
+def _skill(args) -> int:
+    from mleng.handbook.skill import write_skill
+
+    entries = _entries("handbook skill")
+    path = write_skill(entries, Path(args.out))
+    if args.json:
+        print_json({"out": str(path), "entries": len(entries)})
+    else:
+        print(f"wrote {path} ({len(entries)} entries)")
+    return 0

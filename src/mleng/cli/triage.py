@@ -1,0 +1,82 @@
+"""`mleng triage`: scan a log (file or stdin) for known problems and name the entries that explain them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mleng.errors import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("logfile", help="the log to scan, or '-' for stdin (any size; read as a stream)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mleng.cli.ask import warn_skipped
+    from mleng.handbook.index import open_index
+    from mleng.handbook.triage import Matcher, finding_to_dict, triage_file, triage_stream
+
+    index = open_index()
+    try:
+        entries = [e.data for e in index.entries]
+        matcher = Matcher(entries, [e.anchors for e in index.entries])
+        skipped = index.skipped
+    finally:
+        index.close()
+    warn_skipped(skipped, "triage")
+    if args.logfile == "-":
+        result = triage_stream(sys.stdin.buffer, matcher)
+        source = "<stdin>"
+    else:
+        try:
+            result = triage_file(args.logfile, matcher)
+        except OSError as exc:
+            raise UsageError(f"cannot read {args.logfile}: {exc.strerror or exc}",
+                             hint="pass a readable log file, or '-' to read stdin") from None
+        source = args.logfile
+    entries_by_id = {e["id"]: e for e in entries}
+    findings = [finding_to_dict(f, entries_by_id) for f in result.findings]
+    if args.json:
+        from mleng.cli.render import print_json
+
+        print_json({"source": source, "lines": result.lines, "bytes": result.bytes,
+                    "elapsed_s": round(result.elapsed_s, 3), "findings": findings})
+    else:
+        print(render(source, result, findings))
+    return 1 if findings else 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def render(source: str, result, findings: list[dict]) -> str:
+    head = (f"{source}: {result.lines:,} lines ({_size(result.bytes)}) scanned in {result.elapsed_s:.2f} s: "
+            + (f"{len(findings)} known problem{'s' if len(findings) != 1 else ''} found"
+               if findings else "no known problem found"))
+    out = [head]
+    for n, f in enumerate(findings, start=1):
+        where = f"line {f['first_line']}" if f["count"] == 1 else \
+            f"lines {f['first_line']}..{f['last_line']} ({f['count']} times)"
+        who = []
+        if f["ranks"]:
+            who.append("ranks " + ",".join(f["ranks"]))
+        if f["hosts"]:
+            who.append("hosts " + ",".join(f["hosts"]))
+        out.append("")
+        out.append(f"{n}. {where}" + (f"; {'; '.join(who)}" if who else "") +
+                   (" (more not listed)" if f["labels_truncated"] else ""))
+        out.append(f"   {f['example']}")
+        for rank, e in enumerate(f["entries"]):
+            label = "   explained by: " if rank == 0 else "                 "
+            out.append(f"{label}{e['id']}: {e['title']}")
+        first = f["entries"][0]
+        out.append(f"   why: {first['cause']}")
+        out.append(f"   first check: {first['confirm'][0]}")
+        out.append(f"   more: mleng handbook show {first['id']}")
+    return "\n".join(out)

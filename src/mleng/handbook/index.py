@@ -1,0 +1,179 @@
+"""The search index: entries parsed once into an SQLite FTS5 file, cached and rebuilt when stale."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from mleng import __version__
+from mleng.handbook import terms as T
+from mleng.handbook.model import default_entries_dir, entry_files
+
+# The layout of the cache file; the fingerprint also covers the code that fills it.
+INDEX_SCHEMA = 1
+INDEX_FILENAME = "handbook-index.sqlite"
+FTS_COLUMNS = ("title", "symptoms", "signatures", "codes", "tags", "cause", "confirm", "fix", "seen", "body")
+
+
+def default_index_path() -> Path:
+    """$MLENG_HOME/handbook-index.sqlite, else the XDG cache directory."""
+    if os.environ.get("MLENG_HOME"):
+        return Path(os.environ["MLENG_HOME"]).expanduser() / INDEX_FILENAME
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser() / "mleng" / INDEX_FILENAME
+
+
+def fingerprint(directory: Path) -> str:
+    """Changes whenever an entry file is added, removed or modified, or mleng itself changes
+    (its version, or the code that decides what goes into the index)."""
+    digest = hashlib.sha256(f"{__version__}|{INDEX_SCHEMA}|{directory.resolve()}".encode())
+    here = Path(__file__).resolve().parent
+    for path in [here / "index.py", here / "terms.py", here / "model.py", *entry_files(directory)]:
+        try:
+            stat = path.stat()
+        except OSError:   # removed while we looked: the next run sees the directory settled
+            continue
+        digest.update(f"|{path.name}:{stat.st_mtime_ns}:{stat.st_size}".encode())
+    return digest.hexdigest()
+
+
+@dataclass
+class IndexedEntry:
+    rowid: int
+    data: dict            # Entry.to_dict()
+    codes: list[str]      # canonical error codes from error_codes + symptoms
+    shingles: list[str]   # word 3-grams of title and symptoms
+    anchors: list[list[str] | None]  # per signature: literals one of which a match contains, or None
+
+
+class Index:
+    """An open index: FTS5 table `docs`, the entries in rowid order, and the files skipped."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path | None, rebuilt: bool):
+        self.conn = conn
+        self.path = path
+        self.rebuilt = rebuilt
+        self.entries: list[IndexedEntry] = [
+            IndexedEntry(rowid, json.loads(data), json.loads(codes), json.loads(shingles), json.loads(anchors))
+            for rowid, data, codes, shingles, anchors in
+            conn.execute("SELECT rowid, data, codes, shingles, anchors FROM entries ORDER BY rowid")
+        ]
+        self.skipped: list[dict] = [
+            {"file": f, "field": fld, "message": m}
+            for f, fld, m in conn.execute("SELECT file, field, message FROM skipped ORDER BY file")
+        ]
+        self.by_rowid = {e.rowid: e for e in self.entries}
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _create_schema(conn: sqlite3.Connection) -> None:
+    conn.executescript(f"""
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        CREATE TABLE entries (rowid INTEGER PRIMARY KEY, id TEXT UNIQUE NOT NULL, data TEXT NOT NULL,
+                              codes TEXT NOT NULL, shingles TEXT NOT NULL, anchors TEXT NOT NULL);
+        CREATE TABLE skipped (file TEXT NOT NULL, field TEXT NOT NULL, message TEXT NOT NULL);
+        CREATE VIRTUAL TABLE docs USING fts5({", ".join(FTS_COLUMNS)}, tokenize='porter unicode61');
+    """)
+
+
+def entry_codes(entry: dict) -> set[str]:
+    codes: set[str] = T.error_codes(entry["title"])
+    for text in entry["error_codes"]:
+        codes |= T.error_codes(text)
+    for text in entry["symptoms"]:
+        codes |= T.error_codes(text)
+    return codes
+
+
+def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> None:
+    from mleng.handbook.model import load_entries
+
+    entries, skipped = load_entries(directory)
+    _create_schema(conn)
+    for rowid, entry in enumerate(entries, start=1):
+        data = entry.to_dict()
+        words = T.terms(entry.title)
+        shingle_set = T.shingles(words)
+        for symptom in entry.symptoms:
+            shingle_set |= T.shingles(T.terms(symptom))
+        conn.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", (
+            rowid, entry.id, json.dumps(data), json.dumps(sorted(entry_codes(data))),
+            json.dumps(sorted(shingle_set)), json.dumps([T.regex_anchor(s) for s in entry.signatures]),
+        ))
+        fields = {
+            "title": entry.title, "symptoms": "\n".join(entry.symptoms),
+            "signatures": "\n".join(entry.signatures),
+            "codes": "\n".join(entry.error_codes), "tags": " ".join(entry.tags + [entry.category, entry.id]),
+            "cause": entry.cause, "confirm": "\n".join(entry.confirm), "fix": "\n".join(entry.fix),
+            # "What you see" is the plain-language symptom, what a described problem matches best.
+            "seen": entry.sections.get("What you see", ""),
+            "body": "\n".join(v for k, v in entry.sections.items() if k != "What you see"),
+        }
+        conn.execute(f"INSERT INTO docs (rowid, {', '.join(FTS_COLUMNS)}) VALUES (?{', ?' * len(FTS_COLUMNS)})",
+                     (rowid, *(" ".join(T.terms(fields[c])) for c in FTS_COLUMNS)))
+    conn.executemany("INSERT INTO skipped VALUES (?, ?, ?)", [(e.file, e.field, e.message) for e in skipped])
+    conn.execute("INSERT INTO meta VALUES ('fingerprint', ?)", (print_fingerprint,))
+    conn.commit()
+
+
+def _read_fingerprint(path: Path) -> str | None:
+    """The cached file's fingerprint, or None when it is missing, foreign or corrupt."""
+    if not path.is_file():
+        return None
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'fingerprint'").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError:
+        return None
+    return row[0] if row else None
+
+
+def open_index(directory: Path | None = None, cache_path: Path | None = None) -> Index:
+    """The index for the entries directory, from the cache when it is current, rebuilt when not.
+
+    The cache is derived data we own: a stale, foreign or corrupt file is replaced, atomically,
+    so two processes rebuilding at once never see a half-written index.
+    """
+    directory = Path(directory) if directory is not None else default_entries_dir()
+    if not directory.is_dir():
+        from mleng.errors import UsageError
+
+        raise UsageError(f"handbook entries directory {directory} does not exist",
+                         hint="unset MLENG_HANDBOOK_DIR or point it at a directory of <id>.md entries")
+    cache_path = Path(cache_path) if cache_path is not None else default_index_path()
+    current = fingerprint(directory)
+    if _read_fingerprint(cache_path) == current:
+        try:
+            return Index(sqlite3.connect(f"file:{cache_path}?mode=ro", uri=True), cache_path, rebuilt=False)
+        except (sqlite3.DatabaseError, ValueError, KeyError):
+            pass  # damaged beyond its meta table: rebuild below
+    try:
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=".handbook-index-", suffix=".tmp", dir=cache_path.parent)
+        os.close(fd)
+    except OSError:
+        # No writable cache directory: build in memory; ask stays correct, only slower.
+        conn = sqlite3.connect(":memory:")
+        _fill(conn, directory, current)
+        return Index(conn, None, rebuilt=True)
+    try:
+        conn = sqlite3.connect(tmp_name)
+        try:
+            _fill(conn, directory, current)
+        finally:
+            conn.close()
+        os.replace(tmp_name, cache_path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return Index(sqlite3.connect(f"file:{cache_path}?mode=ro", uri=True), cache_path, rebuilt=True)

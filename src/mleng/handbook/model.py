@@ -1,0 +1,177 @@
+"""Handbook entries: parse a Markdown file with YAML front matter into an Entry."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REQUIRED_KEYS = ("id", "title", "category", "symptoms", "signatures", "applies_to",
+                 "cause", "confirm", "fix", "sources")
+OPTIONAL_KEYS = ("related", "reproduction", "error_codes", "tags")
+CATEGORIES = ("nccl-hang", "nccl-network", "network-config", "pcie-p2p", "cuda-error", "gpu-memory",
+              "gpu-hardware", "launch", "slurm", "storage", "numerics", "dataloader", "performance")
+SECTIONS = ("What you see", "Why", "Confirm", "Fix")
+LIST_KEYS = ("symptoms", "signatures", "confirm", "fix", "sources", "related", "error_codes", "tags")
+
+_SECTION_RE = re.compile(r"^##[ \t]+(.+?)[ \t]*$", re.MULTILINE)
+
+
+class EntryError(Exception):
+    """An entry file that cannot be used: names the file, the field and what to do."""
+
+    def __init__(self, file: str, field_name: str, message: str):
+        super().__init__(f"{file}: {field_name}: {message}")
+        self.file = file
+        self.field = field_name
+        self.message = message
+
+
+@dataclass
+class Entry:
+    id: str
+    title: str
+    category: str
+    symptoms: list[str]
+    signatures: list[str]
+    applies_to: dict
+    cause: str
+    confirm: list[str]
+    fix: list[str]
+    sources: list[str]
+    related: list[str] = field(default_factory=list)
+    reproduction: str | None = None
+    error_codes: list[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)
+    sections: dict[str, str] = field(default_factory=dict)
+    path: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_entries_dir() -> Path:
+    """MLENG_HANDBOOK_DIR (tests, local drafts), else the entries shipped in the package."""
+    override = os.environ.get("MLENG_HANDBOOK_DIR")
+    if override:
+        return Path(override).expanduser()
+    return Path(__file__).resolve().parent / "entries"
+
+
+def entry_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("*.md") if p.is_file())
+
+
+def _yaml_load(text: str):
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader, C speed when present
+
+
+def split_front_matter(text: str, file: str) -> tuple[dict, str]:
+    """The YAML mapping between the leading `---` lines, and the Markdown body after them."""
+    import yaml
+
+    lines = text.splitlines(keepends=True)
+    if not lines or lines[0].strip() != "---":
+        raise EntryError(file, "front matter", "the file must start with a line '---' opening the YAML front matter")
+    for end in range(1, len(lines)):
+        if lines[end].strip() == "---":
+            break
+    else:
+        raise EntryError(file, "front matter", "no closing '---' line after the YAML front matter")
+    try:
+        meta = _yaml_load("".join(lines[1:end]))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at front-matter line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise EntryError(file, "front matter",
+                         f"YAML does not parse{where}: {problem}; quote strings containing ': ' or '#' "
+                         "(regexes in single quotes)") from None
+    if not isinstance(meta, dict):
+        raise EntryError(file, "front matter", "the front matter must be a YAML mapping of keys to values")
+    return meta, "".join(lines[end + 1:])
+
+
+def split_sections(body: str) -> dict[str, str]:
+    """`## Heading` -> the text under it, in file order."""
+    sections: dict[str, str] = {}
+    matches = list(_SECTION_RE.finditer(body))
+    for i, match in enumerate(matches):
+        stop = matches[i + 1].start() if i + 1 < len(matches) else len(body)
+        sections[match.group(1)] = body[match.end():stop].strip()
+    return sections
+
+
+def _string_list(meta: dict, key: str, file: str) -> list[str]:
+    value = meta.get(key)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise EntryError(file, key, "must be a list of strings (one '- \"...\"' line per item)")
+    return value
+
+
+def entry_from_meta(meta: dict, body: str, file: str) -> Entry:
+    """An Entry from parsed front matter, checking only what search and triage rely on."""
+    missing = [k for k in REQUIRED_KEYS if k not in meta]
+    if missing:
+        raise EntryError(file, missing[0], f"required key missing (required: {', '.join(REQUIRED_KEYS)})")
+    for key in ("id", "title", "category", "cause"):
+        if not isinstance(meta[key], str) or not meta[key].strip():
+            raise EntryError(file, key, "must be a non-empty string")
+    applies_to = meta["applies_to"]
+    if not isinstance(applies_to, dict):
+        raise EntryError(file, "applies_to", "must be a mapping with 'software' and 'hardware' strings")
+    lists = {key: _string_list(meta, key, file) for key in LIST_KEYS}
+    for pattern in lists["signatures"]:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise EntryError(file, "signatures", f"regex {pattern!r} does not compile: {exc}") from None
+    reproduction = meta.get("reproduction")
+    if reproduction is not None and not isinstance(reproduction, str):
+        raise EntryError(file, "reproduction", "must be a string 'tests/FILE.py::test_name'")
+    return Entry(
+        id=meta["id"].strip(), title=meta["title"].strip(), category=meta["category"].strip(),
+        symptoms=lists["symptoms"], signatures=lists["signatures"],
+        applies_to={str(k): str(v) for k, v in applies_to.items()},
+        cause=meta["cause"].strip(), confirm=lists["confirm"], fix=lists["fix"], sources=lists["sources"],
+        related=lists["related"], reproduction=reproduction, error_codes=lists["error_codes"],
+        tags=lists["tags"], sections=split_sections(body), path=file,
+    )
+
+
+def parse_entry(path: Path) -> Entry:
+    file = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EntryError(file, "file", f"cannot be read as UTF-8 text: {exc}") from None
+    meta, body = split_front_matter(text, file)
+    return entry_from_meta(meta, body, file)
+
+
+def load_entries(directory: Path | None = None) -> tuple[list[Entry], list[EntryError]]:
+    """Every usable entry in the directory, and the files that were skipped with why."""
+    directory = Path(directory) if directory is not None else default_entries_dir()
+    entries: list[Entry] = []
+    skipped: list[EntryError] = []
+    seen: set[str] = set()
+    for path in entry_files(directory):
+        try:
+            entry = parse_entry(path)
+        except EntryError as exc:
+            skipped.append(exc)
+            continue
+        if entry.id in seen:
+            skipped.append(EntryError(str(path), "id", f"id {entry.id!r} is used by another entry; ids must be unique"))
+            continue
+        seen.add(entry.id)
+        entries.append(entry)
+    return entries, skipped

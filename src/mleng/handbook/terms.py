@@ -1,0 +1,293 @@
+"""Text normalization shared by the index and the query: search terms, error codes, regex anchors."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import signal as _signal
+
+# FTS5's unicode61 tokenizer splits on '_' and punctuation; we split the same way so that what we
+# insert and what we query are the same tokens.
+_TOKEN_RE = re.compile(r"[^\W_]+")
+_HEX_RE = re.compile(r"(?:0x[0-9a-f]+|[0-9a-f]*\d[0-9a-f]*[a-f][0-9a-f]*|[0-9a-f]*[a-f][0-9a-f]*\d[0-9a-f]*)")
+_LETTERS_DIGITS_RE = re.compile(r"([a-z]{2,})\d+")
+
+# Words that carry no meaning for matching a problem: English function words and the
+# boilerplate of tracebacks and install paths, which every pasted log contains.
+STOPWORDS = frozenset("""
+a about above after again against all also am an and any are as at be because been before being
+below between both but by can could did do does doing down during each few for from further had has
+have having he her here hers him his how i if in into is it its itself just me more most my myself no
+nor not now of off on once only or other our ours out over own same she should so some such than that
+the their theirs them then there these they this those through to too under until up very was we were
+what when where which while who whom why will with would you your yours yourself get got getting
+still even however seems seem like using use used one two also via per etc eg ie
+hi hello thanks thank please help anyone know issue question problem happens happened happening
+traceback recent call last file line most self return raise raised module main
+usr opt home local lib lib64 site packages dist conda miniconda anaconda envs env venv bin python python3
+py pyc cpp cc h root workspace
+""".split())
+
+
+# A path keeps only its last component: install prefixes and build directories differ on every
+# machine and say nothing about the problem, the file name (socket.cc, dataloader.py) does.
+# (Anchored at the start of a whitespace-separated chunk so the engine tries each chunk once.)
+_PATH_RE = re.compile(r"(?<!\S)[^\s/\\]*(?:[/\\][^\s/\\]*)*[/\\](?=[\w.-])")
+
+
+def terms(text: str) -> list[str]:
+    """Lowercase search terms, in text order: no numbers, hex, pids, directories or stopwords.
+
+    A token of letters followed by digits (rank3, node017, eth0) also yields its letter part, so
+    concrete instance numbers in a pasted log do not stop it matching an entry's generic words.
+    """
+    out: list[str] = []
+    for token in _TOKEN_RE.findall(_PATH_RE.sub(" ", text.lower())):
+        out.extend(_token_terms(token))
+    return out
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _token_terms(token: str) -> tuple[str, ...]:
+    if len(token) < 2 or token.isdigit() or token in STOPWORDS:
+        return ()
+    if token[0].isdigit() and sum(c.isalpha() for c in token) < 2:
+        return ()
+    if token.startswith("0x") or (len(token) >= 6 and _HEX_RE.fullmatch(token)):
+        return ()
+    match = _LETTERS_DIGITS_RE.fullmatch(token)
+    if match and match.group(1) not in STOPWORDS:
+        return token, match.group(1)
+    return (token,)
+
+
+def shingles(words: list[str], size: int = 3) -> set[str]:
+    return {" ".join(words[i:i + size]) for i in range(len(words) - size + 1)}
+
+
+# --- error codes -------------------------------------------------------------------------------
+# Each pattern maps a concrete mention to a canonical code string; entries and queries go through
+# the same extraction, so "Xid (PCI:0000:3b:00): 79" in a log meets "Xid 79" in an entry.
+_CODE_PATTERNS: list[tuple[re.Pattern, str]] = [
+    (re.compile(r"\bxid\s*(?:\([^)]{0,40}\))?\s*[:=]?\s*(\d{1,3})\b", re.I), "xid {0}"),
+    (re.compile(r"\bcuda(?:\s+runtime)?\s+error\s*(?:code\s*)?[:=(]?\s*(\d{1,4})\b", re.I), "cuda error {0}"),
+    (re.compile(r"\bnccl\s+error\s*(?:code\s*)?[:=(]?\s*(\d{1,3})\b", re.I), "nccl error {0}"),
+    (re.compile(r"\berror\s*(?:code\s*)?[:=(]?\s*(\d{1,4})\b", re.I), "error {0}"),
+    (re.compile(r"\bvendor\s+err(?:or)?\s*[:=]?\s*(\d{1,4})\b", re.I), "vendor err {0}"),
+    (re.compile(r"(?<!exit )\bstatus\s*[:=]?\s*(\d{1,3})\b", re.I), "status {0}"),
+    (re.compile(r"\berrno\s*[:=]?\s*(\d{1,3})\b|\[errno\s+(\d{1,3})\]", re.I), "errno {0}"),
+    (re.compile(r"\bos\s+error\s+(\d{1,3})\b", re.I), "errno {0}"),
+    (re.compile(r"\bsig(kill|term|segv|abrt|bus|fpe|ill|int|hup|usr1|usr2|pipe|xcpu|cont|stop)\b", re.I), "sig{0}"),
+    (re.compile(r"\b(?:code|status)\s*[:=]?\s*(1[2-5]\d)\b", re.I), "exit {0}"),
+    (re.compile(r"\bexit\s*code\s*[:=]?\s*(-?\d{1,3})\b|\bexitcode\s*[:=]?\s*(-?\d{1,3})\b", re.I), "exitcode {0}"),
+    (re.compile(r"\bsignal\s*[:=]?\s*(\d{1,2})\b", re.I), "signal {0}"),
+    (re.compile(r"\b([A-Za-z_][\w-]*\.(?:cc|cpp|cu|cuh|c|h|hpp)):(\d{1,5})\b"), "source {0}:{1}"),
+    (re.compile(r"\b([A-Za-z_][\w-]*\.(?:cc|cpp|cu|cuh|c|h|hpp))\b"), "source {0}"),
+]
+_SIGNAL_NAMES = {s.value: s.name.lower() for s in _signal.Signals}
+
+
+def _strerror_table() -> list[tuple[str, str]]:
+    table = []
+    for number in range(1, 134):
+        try:
+            message = os.strerror(number)
+        except ValueError:
+            continue
+        if message.startswith("Unknown error") or " " not in message:
+            continue
+        table.append((message.lower(), f"errno {number}"))
+    return table
+
+
+_STRERROR = _strerror_table()
+# The message text of a CUDA runtime error names it on every CUDA version, while its number changed
+# (CUDA 10 renumbered: the old 77 is 700, 59 is 710). Numbers from the cudaError_t enum of the CUDA
+# runtime API reference: https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html
+_CUDA_MESSAGES = {
+    "an illegal memory access was encountered": 700, "device-side assert triggered": 710,
+    "unspecified launch failure": 719, "too many resources requested for launch": 701,
+    "no kernel image is available for execution on the device": 209, "invalid device ordinal": 101,
+    "no cuda-capable device is detected": 100, "system not yet initialized": 802,
+    "cuda driver version is insufficient for cuda runtime version": 35,
+    "all cuda-capable devices are busy or unavailable": 46, "peer access is not supported between these two devices": 217,
+    "an illegal instruction was encountered": 715, "misaligned address": 716,
+    "uncorrectable ecc error encountered": 214, "unknown error": 999,
+}
+# NCCL's ncclResult_t values and the words ncclGetErrorString gives them (nccl.h in NVIDIA/nccl).
+_NCCL_RESULTS = {"unhandled cuda error": 1, "unhandled system error": 2, "internal error": 3,
+                 "invalid argument": 4, "invalid usage": 5, "remote process exited or there was a network error": 6,
+                 "ncclunhandledcudaerror": 1, "ncclsystemerror": 2, "ncclinternalerror": 3,
+                 "ncclinvalidargument": 4, "ncclinvalidusage": 5, "ncclremoteerror": 6}
+# A signal named in words after "signal" (DataLoader: "killed by signal: Killed") or standing alone
+# the way the shell prints it.
+_SIGNAL_WORDS = {"killed": "sigkill", "segmentation fault": "sigsegv", "aborted": "sigabrt",
+                 "bus error": "sigbus", "terminated": "sigterm", "floating point exception": "sigfpe",
+                 "illegal instruction": "sigill"}
+_SIGNAL_WORD_RE = re.compile(r"signal[:\s]+(" + "|".join(_SIGNAL_WORDS) + r")\b"
+                             r"|\b(segmentation fault|bus error|floating point exception|illegal instruction)"
+                             r"|\b(aborted) \(core dumped\)", re.I)
+
+
+def error_codes(text: str) -> set[str]:
+    """Canonical error codes mentioned in the text: 'xid 79', 'errno 28', 'sigkill', 'source socket.cc:538'."""
+    codes: set[str] = set()
+    for pattern, template in _CODE_PATTERNS:
+        for match in pattern.finditer(text):
+            groups = [g for g in match.groups() if g is not None]
+            if not groups:
+                continue
+            code = template.format(*[g.lower() for g in groups])
+            codes.add(code)
+            # Signals reach logs as numbers in three spellings; one code for all of them.
+            if template == "exitcode {0}" and groups[0].startswith("-"):
+                _add_signal(codes, int(groups[0][1:]))
+            elif template == "exit {0}":
+                _add_signal(codes, int(groups[0]) - 128)
+            elif template == "signal {0}":
+                _add_signal(codes, int(groups[0]))
+    lowered = text.lower()
+    for message, code in _STRERROR:
+        if message in lowered:
+            codes.add(code)
+    for message, number in _CUDA_MESSAGES.items():
+        if message in lowered:
+            codes.add(f"cuda error {number}")
+    if "nccl" in lowered:
+        for message, number in _NCCL_RESULTS.items():
+            if message in lowered:
+                codes.add(f"nccl error {number}")
+    for match in _SIGNAL_WORD_RE.finditer(text):
+        word = next(g for g in match.groups() if g is not None).lower()
+        codes.add(_SIGNAL_WORDS[word])
+    return codes
+
+
+def _add_signal(codes: set[str], number: int) -> None:
+    name = _SIGNAL_NAMES.get(number)
+    if name:
+        codes.add(name)
+
+
+def code_weight(code: str) -> float:
+    """How much one shared code says about an entry, before dividing by how many entries share it."""
+    kind = code.split(" ", 1)[0]
+    if code.startswith("source ") and ":" not in code:
+        return 0.4
+    return {"xid": 3.0, "cuda": 2.0, "nccl": 1.5, "source": 2.5, "errno": 1.5, "vendor": 1.5,
+            "error": 1.2, "status": 1.2, "signal": 0.8, "exit": 0.6, "exitcode": 0.5}.get(kind, 1.5)
+
+
+# --- regex anchors -----------------------------------------------------------------------------
+# Ordinary lines of healthy training logs, repeated millions of times in a big log. An anchor found
+# in them would send every such line to the full regexes, so literals that occur here are the last
+# choice for an anchor. (The linter's BENIGN_LINES are the stricter set no signature may match.)
+ORDINARY_LOG = """
+[rank0]:[I1202 13:50:14.123456 1234 train.py:412] step 1200 | loss 2.3456 | lr 3.0e-04 | grad_norm 0.987 | tokens/s 123456 | mfu 0.41
+Epoch 3:  41%|####      | 2049/5000 [01:23<02:01, 24.12it/s, loss=2.31, v_num=3]
+gpu-node-001:12345:12399 [3] NCCL INFO Channel 00/0 : 3 -> 4 via P2P/CUMEM/read
+gpu-node-001:12345:12399 [3] NCCL INFO Connected all rings, comm 0x55d0 nRanks 16 localRanks 8
+gpu-node-001:12345:12399 [3] NCCL INFO ncclCommInitRank comm 0x55d0 rank 3 nranks 16 cudaDev 3 busId 1b000 - Init COMPLETE
+[default0]:[W1202 13:50:14.123 ProcessGroupNCCL.cpp:1250] Warning: TORCH_NCCL_AVOID_RECORD_STREAMS=1 has no effect
+INFO: Saving checkpoint to /checkpoints/run1/step_1200.pt (took 12.3 s)
+INFO: Loading dataset shard 17 of 256 from /lustre/data/tokens/part-00017.bin
+eval | step 1200 | val_loss 2.401 | val_ppl 11.03 | accuracy 0.512 | time 100% done
+"""
+_ORDINARY = ORDINARY_LOG.lower()
+# Characters from most to least frequent in lowercased log text; an anchor that starts with a rare
+# one lets the regex engine skip most positions of a block with a cheap first-character test.
+_COMMON_FIRST = " e0t1a2o3i4n5s6r7h8l9d.c:u/m_p-f,g=[]()|y'\"w<>b+v%k#x*j;q@z!?$&^~`{}"
+
+
+def _rarity(char: str) -> int:
+    index = _COMMON_FIRST.find(char)
+    return index if index >= 0 else len(_COMMON_FIRST)
+
+
+def _parse(pattern: str):
+    try:
+        from re import _parser as sre_parse  # Python >= 3.11
+    except ImportError:  # pragma: no cover - Python 3.10
+        import sre_parse  # type: ignore[no-redef]
+    try:
+        parsed = sre_parse.parse(pattern)
+    except re.error:
+        return None
+    return None if parsed.state.flags & re.VERBOSE else parsed
+
+
+def _required(items) -> list[list[str]]:
+    """Literal requirements of a parsed regex: each item is a list of alternatives, one of which
+    every match contains ([text] for a plain literal run; several for a branch of literals)."""
+    needs: list[list[str]] = []
+    run: list[str] = []
+
+    def flush() -> None:
+        if run:
+            needs.append(["".join(run)])
+            run.clear()
+
+    for op, value in items:
+        name = str(op)
+        if name == "LITERAL":
+            run.append(chr(value))
+            continue
+        flush()
+        if name == "SUBPATTERN" and value[1] == 0 and value[2] == 0:
+            needs.extend(_required(value[3]))  # a group with no flag changes: required as written
+        elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") and value[0] >= 1:
+            needs.extend(_required(value[2]))  # repeated at least once: its literals are required
+        elif name == "BRANCH":
+            alternatives = []
+            for branch in value[1]:
+                options = [max(alts, key=len) for alts in _required(branch) if len(alts) == 1]
+                if not options:
+                    alternatives = []
+                    break
+                alternatives.append(max(options, key=len))
+            if alternatives:
+                needs.append(alternatives)
+    flush()
+    return needs
+
+
+def _trim(text: str, keep: int = 6) -> str:
+    """Start the anchor at its rarest character, keeping at least `keep` characters."""
+    if len(text) <= keep:
+        return text
+    start = max(range(len(text) - keep + 1), key=lambda i: (_rarity(text[i]), -i))
+    trimmed = text[start:]
+    return trimmed if trimmed not in _ORDINARY else text
+
+
+def regex_anchor(pattern: str) -> list[str] | None:
+    """Lowercase literals, one of which every match of the regex contains, chosen rare in ordinary logs.
+
+    Triage scans gigabytes: a cheap search for the anchors decides which lines deserve the regexes.
+    Prefer requirements absent from ordinary log lines, then longer ones; start each anchor at its
+    rarest character so the scan skips quickly. None when the regex has no literal of 3+ characters.
+    """
+    parsed = _parse(pattern)
+    if parsed is None:
+        return None
+    needs = [[a.lower() for a in alts] for alts in _required(parsed)]
+    needs = [alts for alts in needs if all(len(a.strip()) >= 3 for a in alts)]
+    if not needs:
+        return None
+
+    def score(alts: list[str]):
+        ordinary = any(a in _ORDINARY for a in alts)
+        return (ordinary, len(alts), -min(len(a) for a in alts))
+
+    best = min(needs, key=score)
+    return [_trim(a) for a in best]
+
+
+@functools.lru_cache(maxsize=4096)
+def literal_length(pattern: str) -> int:
+    """How many characters of every match the regex fixes literally (its required literal text)."""
+    parsed = _parse(pattern)
+    if parsed is None:
+        return 0
+    return sum(min(len(a) for a in alts) for alts in _required(parsed))

@@ -1,0 +1,563 @@
+"""The handbook engine: parser, linter, FTS5 index and cache, ask ranking, triage, site and skill."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mleng.handbook import terms as T
+from mleng.handbook.index import open_index
+from mleng.handbook.lint import lint
+from mleng.handbook.model import load_entries
+from mleng.handbook.search import RESULT_FIELDS, evaluate, rank
+from mleng.handbook.triage import Matcher, attribute, triage_stream
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRIES = ROOT / "src" / "mleng" / "handbook" / "entries"
+
+BODY = """
+## What you see
+The job stops with the error above.
+
+## Why
+Something specific went wrong.
+
+## Confirm
+Run `true` and look.
+
+## Fix
+Change the thing.
+"""
+
+
+def write_entry(directory: Path, entry_id: str, body: str = BODY, **fields) -> Path:
+    meta = {
+        "id": entry_id,
+        "title": f"Title of {entry_id}",
+        "category": "launch",
+        "symptoms": [f"RuntimeError: the {entry_id} failure happened after 600000 ms"],
+        "signatures": [f"the {entry_id} failure happened"],
+        "applies_to": {"software": "PyTorch >= 2.0", "hardware": "any"},
+        "cause": f"The {entry_id} cause.",
+        "confirm": ["echo confirm"],
+        "fix": ["echo fix"],
+        "sources": ["https://example.org/issue/1"],
+    }
+    meta.update(fields)
+    meta = {k: v for k, v in meta.items() if v is not None}
+    path = directory / f"{entry_id}.md"
+    path.write_text("---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n" + body)
+    return path
+
+
+@pytest.fixture
+def book(tmp_path, monkeypatch):
+    """An entries directory of our own, selected through MLENG_HANDBOOK_DIR."""
+    directory = tmp_path / "entries"
+    directory.mkdir()
+    monkeypatch.setenv("MLENG_HANDBOOK_DIR", str(directory))
+    return directory
+
+
+# --- parser and linter -------------------------------------------------------------------------
+
+def test_shipped_entries_pass_lint(run_mleng):
+    result = run_mleng("handbook", "lint", "--json")
+    report = json.loads(result.stdout)
+    assert report["entries"] >= 120, report["entries"]
+    assert report["problems"] == [], "\n".join(f"{p['file']}: {p['field']}: {p['message']}"
+                                               for p in report["problems"])
+    assert result.returncode == 0
+
+
+def test_lint_reports_every_rule(book, tmp_path):
+    write_entry(book, "good-entry")
+    write_entry(book, "Bad_Id")
+    write_entry(book, "other-name", id="not-the-file-name")
+    write_entry(book, "dup-a", id="dup-a")
+    (book / "dup-b.md").write_text((book / "dup-a.md").read_text())
+    write_entry(book, "long-title", title="x" * 101)
+    write_entry(book, "bad-category", category="gpu")
+    write_entry(book, "bad-regex", signatures=["unclosed (group"])
+    write_entry(book, "regex-no-symptom", signatures=["nothing like this appears"])
+    write_entry(book, "broad-regex", signatures=[".*"], symptoms=["error"])
+    write_entry(book, "bare-word", signatures=["[Ee]rror"], symptoms=["Error"])
+    write_entry(book, "no-hardware", applies_to={"software": "any"})
+    write_entry(book, "bad-source", sources=["github.com/x/y"])
+    write_entry(book, "bad-related", related=["no-such-entry"])
+    write_entry(book, "extra-key", severity="high")
+    write_entry(book, "missing-key", fix=None)
+    write_entry(book, "long-cause", cause="One. Two. Three. Four.")
+    write_entry(book, "repro-missing", reproduction="tests/test_handbook_repro.py::test_does_not_exist")
+    write_entry(book, "repro-no-file", reproduction="tests/no_such_file.py::test_x")
+    write_entry(book, "no-fix-section", body=BODY.replace("## Fix\nChange the thing.\n", ""))
+    write_entry(book, "out-of-order", body="\n## Why\nw\n\n## What you see\ns\n\n## Confirm\nc\n\n## Fix\nf\n")
+    (book / "broken-yaml.md").write_text("---\nid: broken-yaml\ntitle: [unclosed\n---\n" + BODY)
+    (book / "no-front-matter.md").write_text(BODY)
+
+    count, problems = lint(book)
+    assert count == 23
+    by_file: dict[str, list] = {}
+    for p in problems:
+        by_file.setdefault(Path(p.file).stem, []).append((p.field, p.message))
+
+    def has(stem: str, field: str, words: str) -> bool:
+        return any(f == field and words in m for f, m in by_file.get(stem, []))
+
+    assert "good-entry" not in by_file
+    assert has("Bad_Id", "id", "kebab-case")
+    assert has("other-name", "id", "differs from the file name")
+    assert has("dup-b", "id", "already used by")
+    assert has("long-title", "title", "at most 100")
+    assert has("bad-category", "category", "use one of")
+    assert has("bad-regex", "signatures", "does not compile")
+    assert has("regex-no-symptom", "signatures", "matches none of the entry's symptoms")
+    assert has("broad-regex", "signatures", "too broad")
+    assert has("bare-word", "signatures", "too broad")
+    assert has("no-hardware", "applies_to.hardware", "non-empty string")
+    assert has("bad-source", "sources", "not an http(s) URL")
+    assert has("bad-related", "related", "not the id of any entry")
+    assert has("extra-key", "severity", "unknown key")
+    assert has("missing-key", "fix", "required key is missing")
+    assert has("long-cause", "cause", "1-3")
+    assert has("repro-missing", "reproduction", "has no function test_does_not_exist")
+    assert has("repro-no-file", "reproduction", "does not exist")
+    assert has("no-fix-section", "body", "'## Fix' is missing")
+    assert has("out-of-order", "body", "out of order")
+    assert has("broken-yaml", "front matter", "YAML does not parse")
+    assert has("no-front-matter", "front matter", "must start with a line '---'")
+
+
+def test_lint_cli_exit_codes_and_lines(book, run_mleng):
+    write_entry(book, "good-entry")
+    ok = run_mleng("handbook", "lint", env={"MLENG_HANDBOOK_DIR": str(book)})
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    write_entry(book, "bad-category", category="gpu")
+    bad = run_mleng("handbook", "lint", env={"MLENG_HANDBOOK_DIR": str(book)})
+    assert bad.returncode == 1
+    line = next(l for l in bad.stdout.splitlines() if "bad-category" in l)
+    assert re.match(r".*bad-category\.md: category: 'gpu' is not a category; use one of: nccl-hang", line), line
+    report = json.loads(run_mleng("handbook", "lint", "--json", env={"MLENG_HANDBOOK_DIR": str(book)}).stdout)
+    assert report["ok"] is False and report["problems"][0]["field"] == "category"
+
+
+def test_reproduction_field_points_at_real_tests():
+    entries, _ = load_entries(ENTRIES)
+    with_repro = [e for e in entries if e.reproduction]
+    assert len(with_repro) >= 12
+    source = (ROOT / "tests" / "test_handbook_repro.py").read_text()
+    for e in with_repro:
+        file, function = e.reproduction.split("::")
+        assert (ROOT / file).is_file(), e.id
+        if file == "tests/test_handbook_repro.py":
+            assert f"def {function}(" in source, e.id
+
+
+# --- index and cache ---------------------------------------------------------------------------
+
+def test_index_cache_is_reused_rebuilt_when_stale_and_when_corrupt(book, tmp_path):
+    write_entry(book, "first-entry")
+    cache = tmp_path / "cache" / "index.sqlite"
+    index = open_index(book, cache)
+    assert index.rebuilt and [e.data["id"] for e in index.entries] == ["first-entry"]
+    index.close()
+    index = open_index(book, cache)
+    assert not index.rebuilt
+    index.close()
+    # A new entry makes the cache stale.
+    write_entry(book, "second-entry")
+    index = open_index(book, cache)
+    assert index.rebuilt and len(index.entries) == 2
+    index.close()
+    # Same name, new content (size changes): rebuilt and the new title is served.
+    write_entry(book, "second-entry", title="A changed title for the second entry")
+    index = open_index(book, cache)
+    assert index.rebuilt
+    assert {e.data["title"] for e in index.entries} >= {"A changed title for the second entry"}
+    index.close()
+    # A corrupt cache is ours to replace.
+    cache.write_bytes(b"this is not an sqlite database" * 100)
+    index = open_index(book, cache)
+    assert index.rebuilt and len(index.entries) == 2
+    index.close()
+    assert open_index(book, cache).rebuilt is False
+
+
+def test_default_cache_lives_in_mleng_home(book, mleng_home, run_mleng):
+    write_entry(book, "first-entry")
+    result = run_mleng("ask", "first-entry failure happened", env={"MLENG_HANDBOOK_DIR": str(book)})
+    assert result.returncode == 0, result.stderr
+    assert (mleng_home / "handbook-index.sqlite").is_file()
+
+
+def test_unwritable_cache_location_still_answers(book, tmp_path, run_mleng):
+    write_entry(book, "first-entry")
+    not_a_dir = tmp_path / "home-is-a-file"
+    not_a_dir.write_text("x")
+    result = run_mleng("ask", "the first-entry failure happened", "--json",
+                       env={"MLENG_HANDBOOK_DIR": str(book), "MLENG_HOME": str(not_a_dir)})
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["results"][0]["id"] == "first-entry"
+
+
+def test_missing_entries_directory_is_a_usage_error(tmp_path, run_mleng):
+    env = {"MLENG_HANDBOOK_DIR": str(tmp_path / "nowhere")}
+    for args in (("ask", "x"), ("triage", "-"), ("handbook", "lint"), ("handbook", "list")):
+        result = run_mleng(*args, env=env, input="")
+        assert result.returncode == 2, (args, result.stderr)
+        assert "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_malformed_entry_is_skipped_with_a_warning(book, run_mleng, tmp_path):
+    write_entry(book, "good-entry")
+    (book / "broken.md").write_text("---\nid: broken\ntitle: [unclosed\n---\n")
+    write_entry(book, "bad-regex-entry", signatures=["(unclosed"])
+    env = {"MLENG_HANDBOOK_DIR": str(book)}
+    ask = run_mleng("ask", "RuntimeError: the good-entry failure happened", "--json", env=env)
+    assert ask.returncode == 0, ask.stderr
+    assert json.loads(ask.stdout)["results"][0]["id"] == "good-entry"
+    assert "broken.md" in ask.stderr and "bad-regex-entry.md" in ask.stderr and "Traceback" not in ask.stderr
+    log = tmp_path / "x.log"
+    log.write_text("RuntimeError: the good-entry failure happened after 5 ms\n")
+    triage = run_mleng("triage", str(log), env=env)
+    assert triage.returncode == 1 and "good-entry" in triage.stdout
+    assert "broken.md" in triage.stderr and "Traceback" not in triage.stderr
+    assert run_mleng("handbook", "lint", env=env).returncode == 1
+
+
+# --- ask ---------------------------------------------------------------------------------------
+
+def test_terms_normalize_numbers_paths_and_prefixes():
+    words = T.terms('[rank3]: File "/opt/conda/lib/python3.10/site-packages/torch/utils/data/dataloader.py", '
+                    "line 1133, pid 4567 at 0x7f3c174611b6 on node017 ran for 600021 milliseconds")
+    assert "600021" not in words and "1133" not in words and "0x7f3c174611b6" not in words
+    assert "opt" not in words and "conda" not in words and "site" not in words
+    assert "dataloader" in words and "milliseconds" in words
+    assert "rank" in words and "node" in words
+
+
+def test_error_codes_canonical_forms():
+    assert "xid 79" in T.error_codes("NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus.")
+    assert "xid 79" in T.error_codes("Xid 79")
+    assert "errno 28" in T.error_codes("OSError: [Errno 28] No space left on device")
+    assert "errno 28" in T.error_codes("write failed: No space left on device")
+    assert "sigkill" in T.error_codes("failed (exitcode: -9) local_rank: 0 (pid: 1) of binary")
+    assert "sigkill" in T.error_codes("DataLoader worker (pid 12) is killed by signal: Killed.")
+    assert "sigkill" in T.error_codes("srun: error: task 0: Exited with exit code 137")
+    assert "cuda error 700" in T.error_codes("cuda runtime error (77) : an illegal memory access was encountered")
+    assert "source socket.cc:538" in T.error_codes("misc/socket.cc:538 NCCL WARN Net : Connection closed")
+    assert "error 12" in T.error_codes("NET/IB : Got completion from peer 10.0.0.2<5213> with error 12, opcode 0")
+    assert "nccl error 2" in T.error_codes("NCCL error: unhandled system error, NCCL version 2.18.1")
+
+
+def test_ask_json_contract_and_hostile_queries(book, run_mleng):
+    write_entry(book, "first-entry")
+    write_entry(book, "second-entry")
+    env = {"MLENG_HANDBOOK_DIR": str(book)}
+    result = run_mleng("ask", "RuntimeError: the first-entry failure happened after 600021 ms", "--json",
+                       "--limit", "1", env=env)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert set(data) == {"query", "results"}
+    assert len(data["results"]) == 1
+    assert list(data["results"][0]) == list(RESULT_FIELDS)
+    assert data["results"][0]["id"] == "first-entry"
+    for hostile in ['"', 'a:b', '(', '*', 'foo -bar', 'x-y-z*', 'NEAR(a b)', 'x AND OR NOT y', '"unclosed', "\x01\x02", "🙂"]:
+        r = run_mleng("ask", hostile, "--json", env=env)
+        assert r.returncode == 0, (hostile, r.stderr)
+        assert "results" in json.loads(r.stdout)
+    nul = run_mleng("ask", "-", "--json", input="the first-entry\x00 failure happened", env=env)
+    assert nul.returncode == 0 and json.loads(nul.stdout)["results"][0]["id"] == "first-entry"
+    empty = run_mleng("ask", "   ", env=env)
+    assert empty.returncode == 2 and "empty" in empty.stderr
+    bad_limit = run_mleng("ask", "x", "--limit", "0", env=env)
+    assert bad_limit.returncode == 2 and "--limit" in bad_limit.stderr
+
+
+def test_ask_reads_stdin_and_prints_human_output(book, run_mleng):
+    write_entry(book, "first-entry")
+    result = run_mleng("ask", "-", input="the first-entry failure happened\n",
+                       env={"MLENG_HANDBOOK_DIR": str(book)})
+    assert result.returncode == 0, result.stderr
+    for part in ("Title of first-entry", "why: The first-entry cause.", "confirm:", "echo confirm",
+                 "fix:", "echo fix", "sources: https://example.org/issue/1", "id: first-entry"):
+        assert part in result.stdout
+
+
+def test_error_codes_and_signatures_outrank_word_overlap(book):
+    # A long entry that shares many words with the query, and short ones that carry the exact code.
+    write_entry(book, "gpu-words", title="GPU fell off the PCIe bus and the driver lost it",
+                symptoms=["the GPU has fallen off the bus and is not responding to commands, GPU lost, bus error"],
+                signatures=["is not responding to commands"], tags=["gpu", "bus", "pcie", "fallen"])
+    write_entry(book, "xid-specific", title="Xid 79 on a GPU", symptoms=["NVRM: Xid (PCI:0000:01:00): 79, pid=1"],
+                signatures=[r"Xid \(PCI:[0-9a-f:.]+\): 79\b"], error_codes=["Xid 79"])
+    write_entry(book, "disk-full", title="Checkpoint write fails", symptoms=["OSError: [Errno 28] while saving"],
+                signatures=[r"\[Errno 28\] while saving"], error_codes=["errno 28"])
+    write_entry(book, "socket-line", title="Connection closed by the peer",
+                symptoms=["misc/socket.cc:538 NCCL WARN Net : Connection closed by remote peer"],
+                signatures=["NCCL WARN Net : Connection closed by remote peer"])
+    write_entry(book, "socket-other", title="Connection closed while connecting to the peer",
+                symptoms=["misc/socket.cc:484 NCCL WARN socketStartConnect: Connect to 10.0.0.1 failed"],
+                signatures=["socketStartConnect: Connect to"])
+    index = open_index(book, book.parent / "idx.sqlite")
+    try:
+        top = rank(index, "kernel: NVRM: Xid (PCI:0000:b3:00): 79, pid='<unknown>', name=<unknown>, "
+                          "GPU has fallen off the bus.")[0]
+        assert top["id"] == "xid-specific"
+        assert rank(index, "Xid 79")[0]["id"] == "xid-specific"
+        assert rank(index, "torch.save: No space left on device")[0]["id"] == "disk-full"
+        assert rank(index, "node1:77:99 [0] misc/socket.cc:538 NCCL WARN something new")[0]["id"] == "socket-line"
+    finally:
+        index.close()
+
+
+def test_ask_does_not_import_torch(book, run_mleng):
+    write_entry(book, "first-entry")
+    env = dict(os.environ, MLENG_HANDBOOK_DIR=str(book), MLENG_HOME=str(book.parent / "home"))
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "mleng", "ask", "first-entry failure"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "sqlite3" in imported
+    assert not {m for m in imported if m.split(".")[0] in ("torch", "numpy", "matplotlib")}
+
+
+def test_devset_is_real_and_labelled():
+    cases = yaml.safe_load((ROOT / "tests" / "handbook_devset.yaml").read_text())
+    ids = {e.id for e in load_entries(ENTRIES)[0]}
+    assert len(cases) >= 40
+    for case in cases:
+        assert case["source"].startswith("https://github.com/"), case
+        assert case["expected"] in ids, f"dev set names {case['expected']!r}, which is not an entry"
+        for other in case.get("also", []):
+            assert other in ids, other
+
+
+def test_search_quality_on_devset(tmp_path):
+    cases = yaml.safe_load((ROOT / "tests" / "handbook_devset.yaml").read_text())
+    index = open_index(ENTRIES, tmp_path / "idx.sqlite")
+    try:
+        result = evaluate(cases, index, depth=3)
+    finally:
+        index.close()
+    misses = [f"{r['expected']} <- {r['query'][:80]} (got {r['got']})" for r in result["rows"] if not r["position"]]
+    assert result["hit_at_3"] >= 0.9, "\n".join(misses)
+
+
+# --- triage ------------------------------------------------------------------------------------
+
+TRIAGE_LOG = """\
+[rank0]: step 10 loss 2.31
+[rank1]:[E1202 13:50:14.123 ProcessGroupNCCL.cpp:616] [Rank 1] the alpha-entry failure happened at SeqNum=12
+node017:12345:12399 [3] NCCL INFO the beta-entry failure happened on ib0
+3: RuntimeError: the alpha-entry failure happened at SeqNum=12
+[default2]:the beta-entry failure happened again
+gpu-node-4: the alpha-entry failure happened at SeqNum=13
+srun: error: nodeb12: task 5: the alpha-entry failure happened
+all good here
+"""
+
+
+def test_triage_groups_by_rank_and_host(book, tmp_path, run_mleng):
+    write_entry(book, "alpha-entry")
+    write_entry(book, "beta-entry")
+    log = tmp_path / "train.log"
+    log.write_text(TRIAGE_LOG)
+    result = run_mleng("triage", str(log), "--json", env={"MLENG_HANDBOOK_DIR": str(book)})
+    assert result.returncode == 1, result.stderr
+    data = json.loads(result.stdout)
+    assert data["lines"] == 8
+    alpha, beta = data["findings"]
+    assert alpha["entries"][0]["id"] == "alpha-entry"
+    assert (alpha["first_line"], alpha["last_line"], alpha["count"]) == (2, 7, 4)
+    assert alpha["ranks"] == ["1", "3", "5"]
+    assert alpha["hosts"] == ["gpu-node-4", "nodeb12"]
+    assert beta["entries"][0]["id"] == "beta-entry"
+    assert (beta["first_line"], beta["last_line"], beta["count"]) == (3, 5, 2)
+    assert beta["ranks"] == ["2"] and beta["hosts"] == ["node017"]
+    human = run_mleng("triage", str(log), env={"MLENG_HANDBOOK_DIR": str(book)})
+    assert "lines 2..7 (4 times); ranks 1,3,5; hosts gpu-node-4,nodeb12" in human.stdout
+    assert "explained by: alpha-entry" in human.stdout
+
+
+def test_triage_clean_log_stdin_and_bad_file(book, tmp_path, run_mleng):
+    write_entry(book, "alpha-entry")
+    env = {"MLENG_HANDBOOK_DIR": str(book)}
+    clean = run_mleng("triage", "-", input="step 1\nstep 2\n", env=env)
+    assert clean.returncode == 0 and "no known problem found" in clean.stdout
+    piped = run_mleng("triage", "-", "--json", input="x\nthe alpha-entry failure happened", env=env)
+    assert piped.returncode == 1 and json.loads(piped.stdout)["findings"][0]["first_line"] == 2
+    missing = run_mleng("triage", str(tmp_path / "nope.log"), env=env)
+    assert missing.returncode == 2 and "cannot read" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_triage_lines_across_block_boundaries(book, monkeypatch):
+    import io
+
+    from mleng.handbook import triage as triage_module
+
+    write_entry(book, "alpha-entry")
+    entries = [e.to_dict() for e in load_entries(book)[0]]
+    matcher = Matcher(entries)
+    line = "[rank7]: the alpha-entry failure happened here\n"
+    filler = "x" * 50 + "\n"
+    text = (filler * 3 + line) * 40 + "y" * 300 + "the alpha-entry failure happened without newline"
+    monkeypatch.setattr(triage_module, "CHUNK_BYTES", 37)     # every line straddles a block edge
+    monkeypatch.setattr(triage_module, "MAX_LINE_BYTES", 4096)
+    result = triage_stream(io.BytesIO(text.encode()), matcher)
+    assert result.lines == 161
+    (finding,) = result.findings
+    assert (finding.first_line, finding.last_line, finding.count) == (4, 161, 41)
+    assert finding.ranks == {"7"}
+
+
+def test_triage_file_in_parallel_equals_serial(book, tmp_path, monkeypatch):
+    from mleng.handbook import triage as triage_module
+
+    write_entry(book, "alpha-entry")
+    write_entry(book, "beta-entry")
+    matcher = Matcher([e.to_dict() for e in load_entries(book)[0]])
+    log = tmp_path / "split.log"
+    with log.open("w") as f:
+        for i in range(3000):
+            f.write(f"[rank{i % 4}]: step {i} loss 2.0\n")
+            if i % 700 == 5:
+                f.write(f"[rank{i % 4}]: the alpha-entry failure happened at {i}\n")
+            if i == 2999:
+                f.write("node9: the beta-entry failure happened\n")
+    with log.open("rb") as f:
+        serial = triage_stream(f, matcher)
+    monkeypatch.setattr(triage_module, "MIN_BYTES_PER_WORKER", 1000)
+    parallel = triage_module.triage_file(str(log), matcher, workers=3)
+    assert parallel.lines == serial.lines == 3006
+    assert [(f.entry_ids, f.first_line, f.last_line, f.count, f.ranks, f.hosts) for f in parallel.findings] == \
+           [(f.entry_ids, f.first_line, f.last_line, f.count, f.ranks, f.hosts) for f in serial.findings]
+    assert parallel.findings[0].count == 5 and parallel.findings[1].hosts == {"node9"}
+
+
+def test_attribute_prefixes():
+    assert attribute("[rank12]: boom") == ("12", None)
+    assert attribute("[default3]:boom") == ("3", None)
+    assert attribute("7: boom") == ("7", None)
+    assert attribute("node017: boom") == (None, "node017")
+    assert attribute("node017:5: boom") == ("5", "node017")
+    assert attribute("gpu-a-1:1234:5678 [2] NCCL WARN boom") == (None, "gpu-a-1")
+    assert attribute("RuntimeError: boom") == (None, None)
+
+
+def test_triage_memory_stays_flat_on_a_50mb_log(book, tmp_path):
+    write_entry(book, "alpha-entry")
+    log = tmp_path / "big.log"
+    block = "".join(f"[rank{i % 8}]:[I1202 13:50:14.123 train.py:88] step {i} loss 2.345 lr 3e-4 tokens/s 91234\n"
+                    for i in range(10000))
+    with log.open("w") as f:
+        while f.tell() < 50 * 1024 * 1024:
+            f.write(block)
+            f.write("[rank3]: the alpha-entry failure happened in the middle\n")
+    script = textwrap.dedent("""
+        import json, resource, sys
+        from pathlib import Path
+        from mleng.handbook.index import open_index
+        from mleng.handbook.triage import Matcher, triage_stream
+        index = open_index(Path(sys.argv[1]), Path(sys.argv[3]))
+        matcher = Matcher([e.data for e in index.entries])
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with open(sys.argv[2], "rb") as f:
+            result = triage_stream(f, matcher)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print(json.dumps({"before_kib": before, "after_kib": after, "lines": result.lines,
+                          "count": result.findings[0].count}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, str(book), str(log), str(tmp_path / "idx.sqlite")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stdout)
+    size = log.stat().st_size
+    assert stats["count"] == stats["lines"] // 10001
+    growth_mib = (stats["after_kib"] - stats["before_kib"]) / 1024
+    # Streaming holds a few 8 MiB blocks; reading the file whole would add >= its 50 MiB (twice, lowercased).
+    assert growth_mib < 40, f"peak RSS grew {growth_mib:.0f} MiB while scanning a {size >> 20} MiB log"
+
+
+# --- list, show, site, skill -------------------------------------------------------------------
+
+def test_list_and_show(book, run_mleng):
+    write_entry(book, "first-entry", category="storage")
+    write_entry(book, "second-entry")
+    env = {"MLENG_HANDBOOK_DIR": str(book)}
+    listing = json.loads(run_mleng("handbook", "list", "--json", "--category", "storage", env=env).stdout)
+    assert [e["id"] for e in listing["entries"]] == ["first-entry"]
+    shown = run_mleng("handbook", "show", "second-entry", env=env)
+    assert shown.returncode == 0 and "## Why" in shown.stdout and "Something specific went wrong." in shown.stdout
+    assert json.loads(run_mleng("handbook", "show", "second-entry", "--json", env=env).stdout)["id"] == "second-entry"
+    unknown = run_mleng("handbook", "show", "second-entri", env=env)
+    assert unknown.returncode == 2 and "did you mean: second-entry" in unknown.stderr
+    bad = run_mleng("handbook", "list", "--category", "nope", env=env)
+    assert bad.returncode == 2 and "unknown category" in bad.stderr
+
+
+def test_skill_names_commands_and_every_entry(tmp_path, run_mleng):
+    result = run_mleng("handbook", "skill", str(tmp_path / "skill"))
+    assert result.returncode == 0, result.stderr
+    text = (tmp_path / "skill" / "SKILL.md").read_text()
+    assert text.startswith("---\nname: mleng\n")
+    for needle in ("mleng ask", "mleng triage", "--json", "mleng handbook show", '"results"', '"findings"'):
+        assert needle in text
+    for e in load_entries(ENTRIES)[0]:
+        assert f"`{e.id}`" in text, e.id
+
+
+def test_site_is_self_contained(tmp_path, run_mleng):
+    out = tmp_path / "site"
+    result = run_mleng("handbook", "site", str(out))
+    assert result.returncode == 0, result.stderr
+    entries = load_entries(ENTRIES)[0]
+    index_html = (out / "index.html").read_text()
+    pages = list((out / "entries").glob("*.html"))
+    assert len(pages) == len(entries)
+    for html_text in [index_html] + [p.read_text() for p in pages[:20]]:
+        assert not re.search(r"<(?:script|link|img)[^>]+(?:src|href)=[\"']https?://", html_text)
+    data = re.search(r'<script id="index-data" type="application/json">(.*?)</script>', index_html, re.S).group(1)
+    assert len(json.loads(data)) == len(entries)
+    for category in {e.category for e in entries}:
+        assert f'id="{category}"' in index_html
+
+
+def _chromium(*args: str, timeout: int = 60) -> subprocess.CompletedProcess:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as profile:
+        return subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                               "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                               "--disable-sync", f"--user-data-dir={profile}", *args],
+                              capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed (apt-get install chromium)")
+def test_site_search_in_headless_chromium(tmp_path, run_mleng):
+    out = tmp_path / "site"
+    assert run_mleng("handbook", "site", str(out)).returncode == 0
+    index_url = (out / "index.html").as_uri()
+    shot = tmp_path / "index.png"
+    _chromium("--window-size=1200,900", f"--screenshot={shot}", index_url)
+    assert shot.is_file() and shot.stat().st_size > 10_000
+    query = "RuntimeError: DataLoader worker (pid 4242) is killed by signal: Killed."
+    from urllib.parse import quote
+
+    dom = _chromium("--virtual-time-budget=3000", "--dump-dom", f"{index_url}?q={quote(query)}").stdout
+    results = re.search(r'<ul id="results">(.*?)</ul>', dom, re.S).group(1)
+    ids = re.findall(r'data-id="([a-z0-9-]+)"', results)
+    assert ids[:3] and "dataloader-worker-killed" in ids[:3], ids
+    assert 'href="entries/dataloader-worker-killed.html"' in results
+    search_shot = tmp_path / "search.png"
+    _chromium("--window-size=1200,900", f"--screenshot={search_shot}", f"{index_url}?q={quote(query)}")
+    assert search_shot.is_file() and search_shot.stat().st_size > 10_000
