@@ -1,0 +1,236 @@
+"""`mleng check`: every rank joins in time, all-reduces correctly, passes a barrier, can allocate; --pairs bandwidth."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mleng.errors import CheckFailed, MlengError, UsageError
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                        help=f"seconds for joining and for every collective (default {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--alloc-gib", type=float, default=0.0, metavar="GIB",
+                        help="allocate and touch this many GiB on every rank's device (default: skip)")
+    parser.add_argument("--pairs", nargs="?", const="ranks", choices=["ranks", "nodes"],
+                        help="point-to-point bandwidth between every pair of ranks (or of nodes, one rank each)")
+    parser.add_argument("--pair-bytes", default="16M", help="bytes per send in --pairs (16M)")
+    parser.add_argument("--pair-iters", type=int, default=5, help="timed sends per pair (5)")
+    parser.add_argument("--outlier-ratio", type=float, default=0.7,
+                        help="--pairs: flag pairs below this fraction of the median (0.7; 0 flags none)")
+    parser.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl on GPUs, gloo on CPU")
+    parser.add_argument("--nproc", type=int, help="local ranks to spawn when not under torchrun/srun "
+                                                   "(default: one per GPU, 2 on CPU)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mleng.distributed.runner import run_as_ranks
+    from mleng.measure.collectives import parse_bytes
+
+    if args.timeout <= 0:
+        raise UsageError("--timeout must be positive")
+    if args.alloc_gib < 0:
+        raise UsageError("--alloc-gib cannot be negative")
+    if args.pair_iters < 1:
+        raise UsageError("--pair-iters must be at least 1")
+    pair_bytes = parse_bytes(args.pair_bytes)
+    return run_as_ranks("check", args._argv, args.nproc, args.timeout,
+                        lambda launch: run_rank(args, launch, pair_bytes))
+
+
+def run_rank(args: argparse.Namespace, launch, pair_bytes: int) -> int:
+    from mleng.distributed.group import choose_backend, gather_to_rank0, join, leave, pick_device
+    from mleng.distributed.rankinfo import describe_rank
+    from mleng.distributed.runner import StopSignals
+    from mleng.measure import connectivity
+    from mleng.results.record import Measurement
+
+    is_root = launch.rank == 0
+    params = {"timeout_s": args.timeout, "alloc_gib": args.alloc_gib, "pairs": args.pairs,
+              "pair_bytes": pair_bytes, "pair_iters": args.pair_iters, "backend": args.backend,
+              "outlier_ratio": args.outlier_ratio}
+    record = Measurement.start("connectivity", params) if is_root else None
+    job = None
+    rows: list[dict] = []
+    pairs: dict | None = None
+    status, error = "complete", None
+    stop = StopSignals().__enter__()
+    try:
+        backend, kind = choose_backend(args.backend)
+        device = pick_device(launch, kind)
+        job = join(launch, backend, device, args.timeout, info=describe_rank(launch, device), params=params)
+        mine = {}
+        mine.update(connectivity.verify_all_reduce(job))
+        mine.update(connectivity.barrier(job))
+        mine.update(connectivity.allocation(job, args.alloc_gib))
+        if args.pairs:
+            members = connectivity.pair_ranks(job, args.pairs)
+            if len(members) < 2:
+                what = "host" if args.pairs == "nodes" else "rank"
+                pairs = {"mode": args.pairs, "members": members, "size_bytes": pair_bytes,
+                         "skipped": f"--pairs {args.pairs} needs at least 2 {what}s; this job has 1"}
+            else:
+                matrix = connectivity.pair_bandwidth(job, members, pair_bytes, args.pair_iters, warmup=3)
+                median, slow = connectivity.flag_outliers(matrix, args.outlier_ratio)
+                hosts = [r["host"] for r in job.ranks]
+                pairs = {"mode": args.pairs, "members": members, "size_bytes": pair_bytes,
+                         "matrix_gbps": matrix, "median_gbps": median,
+                         "slow": [[members[i], members[j]] for i, j in slow],
+                         "suspects": connectivity.suspects(slow, members, hosts)}
+        reports = gather_to_rank0(job, "report", mine)
+        if is_root:
+            rows = [{**_public(job.ranks[r]), **reports[r]} for r in range(job.world_size)]
+    except KeyboardInterrupt:
+        status, error = "interrupted", "interrupted (Ctrl-C)"
+        raise
+    except MlengError as exc:
+        # a peer that went down on the same Ctrl-C makes our collective fail: still an interruption
+        status, error = ("interrupted", f"interrupted ({stop.received}): {exc.message}") if stop.received \
+            else ("failed", exc.message)
+        if stop.received:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        if is_root:  # stored before teardown, which can hang when a peer is gone
+            _finish(record, job, rows, pairs, args, status, error)
+        leave(job, launch.rank)
+        stop.__exit__()
+    if not is_root:
+        return 0
+    problems = record.summary["problems"]
+    if problems:
+        message = "; ".join(problems) if args.json else f"{len(problems)} problem(s) found, listed above"
+        raise CheckFailed(message, hint=_hint(record))
+    return 0
+
+
+def _public(info: dict) -> dict:
+    return {k: v for k, v in info.items() if k not in ("params", "params_digest")}
+
+
+def _ranks_on(rows: list[dict]) -> str:
+    hosts = sorted({r["host"] for r in rows})
+    ranks = ", ".join(str(r["rank"]) for r in rows)
+    return f"rank{'s' if len(rows) > 1 else ''} {ranks} ({', '.join(hosts)})"
+
+
+def _problems(rows: list[dict], pairs: dict | None, world_size: int) -> list[str]:
+    """One line per kind of failure, naming every rank and host that had it."""
+    problems = []
+    by_answer: dict[str, list[dict]] = {}
+    by_alloc_error: dict[str, list[dict]] = {}
+    for row in rows:
+        if not row.get("all_reduce_ok"):
+            by_answer.setdefault(str(row.get("all_reduce_values")), []).append(row)
+        if row.get("alloc_ok") is False:
+            by_alloc_error.setdefault(f"{row['alloc_gib']:g} GiB on {row['device']}: {row['alloc_error']}",
+                                      []).append(row)
+    for answer, bad in by_answer.items():
+        problems.append(f"{_ranks_on(bad)} answered {answer} for an all-reduce of ones, expected {float(world_size)}")
+    for what, bad in by_alloc_error.items():
+        problems.append(f"{_ranks_on(bad)} could not allocate {what}")
+    if pairs and pairs.get("slow"):
+        shown = ", ".join(f"{a}->{b}" for a, b in pairs["slow"][:8])
+        problems.append(f"{len(pairs['slow'])} slow pair(s) below {pairs.get('ratio', 0.7):g} x the median "
+                        f"{pairs['median_gbps']:.3g} GB/s: {shown}"
+                        + (f" ({'; '.join(pairs['suspects'])})" if pairs["suspects"] else ""))
+    return problems
+
+
+def _hint(record) -> str:
+    if (record.summary.get("pairs") or {}).get("slow"):
+        return "re-run --pairs on the suspect nodes alone to bisect; check their NIC and cable"
+    return "look at the ranks and hosts named above"
+
+
+def _finish(record, job, rows, pairs, args, status, error) -> None:
+    from mleng.distributed.runner import fingerprint, store_record
+
+    if pairs is not None:
+        pairs["ratio"] = args.outlier_ratio
+    world = job.world_size if job else None
+    problems = _problems(rows, pairs, world or 0) if status == "complete" else [error]
+    backend = job.backend if job else (args.backend or "")
+    record.machine = fingerprint(gpus=backend == "nccl")
+    record.rows = rows
+    record.summary = {
+        "value": len(rows) if status == "complete" else None, "unit": "ranks ok" if not problems else "ranks",
+        "theoretical": world, "ratio": None,
+        "verdict": "ok" if status == "complete" and not problems else "problem",
+        "world_size": world, "hosts": job.hosts if job else [], "problems": problems,
+    }
+    if job is None:
+        record.summary["world_size"] = None
+    if pairs is not None:
+        record.summary["pairs"] = pairs
+    record.params["launch"] = job.launch.mode if job else None
+    record.finish(status, error)
+    stored, store_problem = store_record(record)
+    if args.json:
+        import json
+
+        print(json.dumps(record.to_dict(), indent=2, default=str))
+    else:
+        print(_render(record, job, rows, pairs, stored))
+    if store_problem:
+        print(f"mleng check: warning: the result was not stored: {store_problem}", file=sys.stderr)
+
+
+def _render(record, job, rows, pairs, stored) -> str:
+    from mleng.cli.render import table
+
+    lines = []
+    if job is not None:
+        hosts = job.hosts
+        lines.append(f"mleng check: {job.world_size} rank{'s' if job.world_size != 1 else ''} on {len(hosts)} host(s) ({', '.join(hosts[:6])}), "
+                     f"backend {job.backend}, launch {job.launch.mode}, timeout {job.timeout_s:g} s")
+    if rows:
+        shown = []
+        for row in rows:
+            shown.append({**row, "numa": ",".join(str(n) for n in (row.get("gpu_numa_node"),) if n is not None)
+                          or ",".join(str(n) for n in row.get("numa_nodes") or []) or None,
+                          "all_reduce": "ok" if row.get("all_reduce_ok") else f"WRONG {row.get('all_reduce_values')}",
+                          "alloc": {True: f"ok {row['alloc_gib']:g} GiB", False: "FAILED", None: "skipped"}[row.get("alloc_ok")]})
+        columns = ["rank", "local_rank", "host", "pid", "device", "gpu_uuid", "numa", "cpu_affinity",
+                   "all_reduce", "barrier_ms", "alloc"]
+        if not any(r.get("gpu_uuid") for r in rows):
+            columns.remove("gpu_uuid")
+        lines.append(table(shown, columns))
+    if pairs is not None:
+        lines.append("")
+        lines.append(f"pairs: skipped: {pairs['skipped']}" if "skipped" in pairs else _matrix(pairs, job))
+    problems = record.summary["problems"]
+    if record.status == "complete" and not problems:
+        lines.append(f"ok: all {job.world_size} ranks joined, all-reduce of ones = {job.world_size} on every rank, "
+                     f"barrier passed" + (f", {record.params['alloc_gib']:g} GiB allocated on every rank"
+                                          if record.params.get("alloc_gib") else ""))
+    elif record.status == "complete":
+        lines.append("problems:")
+        lines.extend(f"  - {p}" for p in problems)
+    else:  # the error itself is printed once, on stderr
+        lines.append(f"status: {record.status}" + (" (see the error below)" if record.status == "failed" else ""))
+    if stored:
+        lines.append(f"stored as {stored}")
+    return "\n".join(lines)
+
+
+def _matrix(pairs: dict, job) -> str:
+    members = pairs["members"]
+    slow = {tuple(p) for p in pairs["slow"]}
+    label = "node (rank)" if pairs["mode"] == "nodes" else "rank"
+    names = [f"{job.ranks[r]['host']} ({r})" if pairs["mode"] == "nodes" else str(r) for r in members]
+    width = max(9, *(len(n) for n in names)) + 1
+    out = [f"send bandwidth GB/s (base 10), row = sender, column = receiver, {pairs['size_bytes']} bytes per send; "
+           f"* = below {pairs['ratio']:g} x median ({pairs['median_gbps'] or 0:.3g} GB/s)",
+           label.rjust(width) + "".join(n.rjust(width) for n in names)]
+    for i, src in enumerate(members):
+        cells = []
+        for j, dst in enumerate(members):
+            value = pairs["matrix_gbps"][i][j]
+            text = "-" if value is None else f"{value:.3g}" + ("*" if (src, dst) in slow else " ")
+            cells.append(text.rjust(width))
+        out.append(names[i].rjust(width) + "".join(cells))
+    return "\n".join(out)

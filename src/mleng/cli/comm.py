@@ -1,0 +1,242 @@
+"""`mleng comm`: collective bandwidth (busbw/algbw as nccl-tests), on every rank of a plain, torchrun or srun launch."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mleng.errors import CheckFailed, MlengError, UsageError
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--op", action="append", metavar="OP",
+                        help="all_reduce (default), all_gather, reduce_scatter, all_to_all, broadcast, reduce, "
+                             "send_recv; repeat or comma-separate for several, or 'all'")
+    parser.add_argument("-b", "--min-bytes", default="1M", help="smallest size per rank (32K, 1M, 4G; binary)")
+    parser.add_argument("-e", "--max-bytes", default=None,
+                        help="largest size per rank (default 1G on GPUs, 64M on CPU)")
+    parser.add_argument("-f", "--factor", type=float, default=2.0, help="size multiplier between steps (2)")
+    parser.add_argument("--dtype", default="float32", help="float32, float16, bfloat16, float64, int32, int64, int8")
+    parser.add_argument("--iters", type=int, default=20, help="timed iterations per loop (20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed iterations before timing (5)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="non-blocking mode: times the timed loop runs; the stats are over these loops (5)")
+    parser.add_argument("--blocking", action="store_true",
+                        help="synchronize after every op and time each alone (stats over iterations)")
+    parser.add_argument("--check", action="store_true",
+                        help="verify each op's result on known inputs and count the wrong elements")
+    parser.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl on GPUs, gloo on CPU")
+    parser.add_argument("--nproc", type=int, help="local ranks to spawn when not under torchrun/srun "
+                                                   "(default: one per GPU, 2 on CPU)")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                        help=f"seconds for joining and for any one collective (default {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--min-busbw", type=float, metavar="GBPS",
+                        help="exit 1 when an op's peak busbw is below this (acceptance tests)")
+    parser.add_argument("--reference-gbps", type=float, metavar="GBPS",
+                        help="link rate to compare the peak with, instead of the one from the specs")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw busbw against size")
+    parser.add_argument("--no-cuda-graph", action="store_true",
+                        help="on NCCL, issue the timed ops eagerly instead of replaying a CUDA graph")
+
+
+def settings_from(args: argparse.Namespace):
+    from mleng.distributed.launch import visible_gpu_count
+    from mleng.measure.collectives import Settings, dtype_name, op_names, parse_bytes, size_sweep
+
+    max_text = args.max_bytes or ("1G" if visible_gpu_count() and args.backend != "gloo" else "64M")
+    for name in ("iters", "repeats"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be at least 1")
+    if args.warmup < 0:
+        raise UsageError("--warmup cannot be negative")
+    if args.timeout <= 0:
+        raise UsageError("--timeout must be positive")
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise UsageError(f"--plot {args.plot!r}: give a .png file name")
+    return Settings(ops=op_names(args.op or ["all_reduce"]),
+                    sizes=size_sweep(parse_bytes(args.min_bytes), parse_bytes(max_text), args.factor),
+                    dtype=dtype_name(args.dtype), iters=args.iters, warmup=args.warmup, repeats=args.repeats,
+                    blocking=args.blocking, check=args.check, cuda_graph=not args.no_cuda_graph)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mleng.distributed.runner import run_as_ranks
+
+    settings = settings_from(args)  # bad input is refused once, before any rank starts
+    return run_as_ranks("comm", args._argv, args.nproc, args.timeout,
+                        lambda launch: run_rank(args, launch, settings))
+
+
+def run_rank(args: argparse.Namespace, launch, settings) -> int:
+    import dataclasses
+
+    from mleng.distributed.group import choose_backend, join, leave, pick_device
+    from mleng.distributed.rankinfo import describe_rank
+    from mleng.distributed.runner import StopSignals
+    from mleng.measure import collectives
+    from mleng.results.record import Measurement
+
+    backend, kind = choose_backend(args.backend)
+    device = pick_device(launch, kind)
+    params = {**dataclasses.asdict(settings), "backend": backend, "timeout_s": args.timeout,
+              "min_busbw_gbps": args.min_busbw, "reference_gbps": args.reference_gbps}
+    is_root = launch.rank == 0
+    record = Measurement.start("collective", params) if is_root else None
+    rows: list[dict] = []
+    job = None
+    status, error = "complete", None
+    stop = StopSignals().__enter__()
+    try:
+        job = join(launch, backend, device, args.timeout, info=describe_rank(launch, device), params=params)
+        asked_all = any("all" in [o.strip().lower() for o in item.split(",")] for item in (args.op or []))
+        if asked_all and job.world_size < 2 and "send_recv" in settings.ops:
+            # `--op all` on one rank means the ops one rank can run; naming send_recv alone is still an error
+            settings = dataclasses.replace(settings, ops=[o for o in settings.ops if o != "send_recv"])
+            if is_root:
+                record.params["ops"] = settings.ops
+                record.params["skipped_ops"] = {"send_recv": "needs at least 2 ranks"}
+        if is_root:
+            record.params["world_size"] = launch.world_size
+            record.params["launch"] = launch.mode
+            if not args.json:
+                print(_header(job, settings), flush=True)
+        printer = _RowPrinter(job.world_size) if is_root and not args.json else None
+        for row in collectives.sweep(job, settings):
+            rows.append(row)  # kept before it is shown: a row on screen is a row in the record
+            if printer:
+                printer.row(row)
+    except KeyboardInterrupt:
+        status, error = "interrupted", "interrupted (Ctrl-C); rows measured so far are kept"
+        raise
+    except MlengError as exc:
+        # a peer that went down on the same Ctrl-C makes our collective fail: still an interruption
+        status, error = ("interrupted", f"interrupted ({stop.received}): {exc.message}") if stop.received \
+            else ("failed", exc.message)
+        if stop.received:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        if is_root:  # stored before teardown, which can hang when a peer is gone
+            _finish(record, rows, job, settings, backend, args, status, error)
+        leave(job, launch.rank)
+        stop.__exit__()
+    if not is_root:
+        return 0
+    return _verdict(record, args)
+
+
+def _finish(record, rows, job, settings, backend, args, status, error) -> None:
+    from mleng.distributed.runner import fingerprint, store_record
+    from mleng.measure import collectives
+
+    ranks = [{k: v for k, v in r.items() if k not in ("params", "params_digest")} for r in (job.ranks if job else [])]
+    record.machine = fingerprint(gpus=backend == "nccl")
+    record.machine["ranks"] = ranks
+    record.rows = rows
+    reference, note = collectives.reference_rate(backend, ranks, record.machine, args.reference_gbps)
+    record.summary = collectives.summarize(rows, reference, note, args.min_busbw)
+    record.summary["timing"] = collectives.timing_note(settings, any(r.get("timing") == "cuda_graph" for r in rows))
+    record.finish(status, error)
+    stored, store_problem = store_record(record)
+    if args.json:
+        print(_json(record))
+    else:
+        print(_footer(record, stored, store_problem))
+    if store_problem:
+        print(f"mleng comm: warning: the measurement was not stored: {store_problem}", file=sys.stderr)
+    if args.plot and rows:
+        try:
+            collectives.plot_busbw(rows, args.plot, reference, note)
+            if not args.json:
+                print(f"plot written to {args.plot}")
+        except MlengError as exc:
+            print(f"mleng comm: warning: no plot: {exc}", file=sys.stderr)
+
+
+def _json(record) -> str:
+    import json
+
+    return json.dumps(record.to_dict(), indent=2, default=str)
+
+
+def _verdict(record, args) -> int:
+    summary = record.summary
+    if summary.get("wrong"):
+        bad = [f"{r['op']} at {r['size_bytes']} B: {r['wrong']}" for r in record.rows if r.get("wrong")]
+        raise CheckFailed(f"--check found {summary['wrong']} wrong elements ({'; '.join(bad[:5])})",
+                          hint="a rank computed or received wrong data: run `mleng check` and look at that link")
+    below = summary.get("below_min_busbw") or []
+    if below:
+        peaks = ", ".join(f"{op} {summary['ops'][op]['peak_busbw_gbps']:.3g} GB/s" for op in below)
+        raise CheckFailed(f"peak busbw below --min-busbw {args.min_busbw:g} GB/s: {peaks}",
+                          hint="compare with `mleng check --pairs` to find the slow link")
+    return 0
+
+
+def _header(job, settings) -> str:
+    from mleng.measure.collectives import timing_note
+
+    hosts = job.hosts
+    on = f"{len(hosts)} host{'s' if len(hosts) != 1 else ''} ({', '.join(hosts[:4])}{', ...' if len(hosts) > 4 else ''})"
+    return "\n".join([
+        f"# mleng comm: {job.world_size} rank{'s' if job.world_size != 1 else ''} on {on}, backend {job.backend}, device {job.device.split(':')[0]}, "
+        f"launch {job.launch.mode}, dtype {settings.dtype}",
+        f"# timing: {timing_note(settings, uses_graph=job.device.startswith('cuda') and settings.cuda_graph and not settings.blocking)}",
+        "# size in bytes per rank (binary prefixes in the plot), time in us (median), bandwidth in GB/s (base 10); "
+        "busbw = algbw x the op's factor",
+    ])
+
+
+class _RowPrinter:
+    """Rows as they are measured, nccl-tests style, so a long sweep shows progress and a failure keeps its rows."""
+
+    COLUMNS = [("size", 12, "size_bytes"), ("count", 12, "count"), ("type", 9, "dtype"),
+               ("time_us", 11, "time_us"), ("algbw_gbps", 11, "algbw_gbps"), ("busbw_gbps", 11, "busbw_gbps"),
+               ("min_us", 11, "time_min_us"), ("max_us", 11, "time_max_us"), ("p99_us", 11, "time_p99_us"),
+               ("cv", 7, "time_cv")]
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.op = None
+
+    def row(self, row: dict) -> None:
+        from mleng.measure.collectives import OPS
+
+        columns = self.COLUMNS + ([("wrong", 8, "wrong")] if "wrong" in row else [])
+        if row["op"] != self.op:
+            self.op = row["op"]
+            factor = OPS[self.op].factor(self.world_size)
+            print(f"\n# {self.op}: busbw factor {factor:.4g} at {self.world_size} ranks", flush=True)
+            print("".join(name.rjust(width) for name, width, _ in columns), flush=True)
+        cells = []
+        for _, width, key in columns:
+            value = row.get(key)
+            if isinstance(value, float):
+                text = f"{value:.4f}" if key == "time_cv" else (f"{value:.2f}" if value >= 0.01 or value == 0
+                                                                 else f"{value:.3g}")
+            else:
+                text = str(value)
+            cells.append(text.rjust(width))
+        print("".join(cells), flush=True)
+
+
+def _footer(record, stored, store_problem) -> str:
+    from mleng.measure.collectives import format_bytes
+
+    s = record.summary
+    lines = [""]
+    if record.status != "complete":  # the error itself is printed once, on stderr
+        lines.append(f"status: {record.status}" + (" (see the error below)" if record.status == "failed" else
+                                                   ": rows measured so far are kept"))
+    for op, best in (s.get("ops") or {}).items():
+        share = f" = {best['ratio'] * 100:.1f}% of {s['theoretical']:g} GB/s" if best.get("ratio") is not None else ""
+        lines.append(f"peak busbw {op}: {best['peak_busbw_gbps']:.3g} GB/s at {format_bytes(best['at_size_bytes'])}{share}")
+    verdict = "" if s.get("theoretical") else " (inconclusive)"
+    lines.append(f"reference: {s.get('reference')}{verdict}")
+    if "wrong" in s:
+        lines.append(f"check: {s['wrong']} wrong elements" + (" (all results correct)" if not s["wrong"] else ""))
+    if stored:
+        lines.append(f"stored as {stored}")
+    return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""What one rank can say about where it runs: host, ranks, device, GPU UUID, NUMA node, CPU affinity."""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+
+from mleng.distributed.launch import Launch
+
+
+def compact_cpus(cpus) -> str:
+    """{0,1,2,3,8} -> "0-3,8", the form taskset and /sys use."""
+    ordered = sorted(cpus)
+    parts, start, prev = [], None, None
+    for cpu in ordered:
+        if start is None:
+            start = prev = cpu
+        elif cpu == prev + 1:
+            prev = cpu
+        else:
+            parts.append(f"{start}-{prev}" if prev != start else str(start))
+            start = prev = cpu
+    if start is not None:
+        parts.append(f"{start}-{prev}" if prev != start else str(start))
+    return ",".join(parts)
+
+
+def parse_cpulist(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def numa_nodes_of(cpus: set[int]) -> list[int]:
+    """NUMA nodes whose CPUs this process may run on (from /sys; empty where it is not exposed)."""
+    nodes = []
+    for path in sorted(glob.glob("/sys/devices/system/node/node[0-9]*/cpulist")):
+        node = int(path.split("/node")[-1].split("/")[0])
+        try:
+            with open(path) as f:
+                if parse_cpulist(f.read()) & cpus:
+                    nodes.append(node)
+        except (OSError, ValueError):
+            continue
+    return nodes
+
+
+def _gpu_fields(device: str) -> dict:
+    import torch
+
+    index = int(device.split(":")[1])
+    props = torch.cuda.get_device_properties(index)
+    fields = {"gpu_name": props.name, "gpu_uuid": None, "gpu_pci_bus_id": None, "gpu_numa_node": None}
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        fields["gpu_uuid"] = f"GPU-{uuid}" if not str(uuid).startswith("GPU-") else str(uuid)
+    if hasattr(props, "pci_bus_id"):
+        bus_id = f"{getattr(props, 'pci_domain_id', 0):04x}:{props.pci_bus_id:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+        fields["gpu_pci_bus_id"] = bus_id
+        try:
+            with open(f"/sys/bus/pci/devices/{bus_id}/numa_node") as f:
+                node = int(f.read().strip())
+            fields["gpu_numa_node"] = node if node >= 0 else None
+        except (OSError, ValueError):
+            pass
+    return fields
+
+
+def describe_rank(launch: Launch, device: str) -> dict:
+    try:
+        cpus = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        cpus = set(range(os.cpu_count() or 1))
+    info = {
+        "rank": launch.rank, "local_rank": launch.local_rank, "host": socket.gethostname(),
+        "pid": os.getpid(), "launch": launch.mode, "device": device,
+        "cpu_affinity": compact_cpus(cpus), "numa_nodes": numa_nodes_of(cpus),
+    }
+    if device.startswith("cuda"):
+        try:
+            info.update(_gpu_fields(device))
+        except Exception as exc:  # the row says why instead of the whole check failing
+            info["gpu_error"] = str(exc).splitlines()[0]
+    return info

@@ -1,0 +1,101 @@
+"""The part comm and check share: spawn local ranks when launched plainly, else be one rank, with rank 0 recording."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from mleng.distributed.launch import Launch, default_nproc, detect
+from mleng.distributed.spawn import spawn_local
+from mleng.errors import MlengError, UsageError
+
+
+def strip_nproc(argv: list[str]) -> list[str]:
+    """The children must not spawn again; --nproc is only the plain launcher's business."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == "--nproc":
+            skip = True
+            continue
+        if arg.startswith("--nproc="):
+            continue
+        out.append(arg)
+    return out
+
+
+def run_as_ranks(command: str, argv: list[str], nproc: int | None, timeout_s: float,
+                 rank_body: Callable[[Launch], int]) -> int:
+    """Plain launch: spawn nproc ranks of this same command and report the ones that failed.
+    Under torchrun, srun or RANK/WORLD_SIZE: run rank_body as this one rank."""
+    launch = detect()
+    if launch is None:
+        nproc = nproc or default_nproc()
+        if nproc < 1:
+            raise UsageError(f"--nproc {nproc} must be at least 1")
+        result = spawn_local(strip_nproc(argv), nproc, grace_s=min(timeout_s, 30.0) + 5.0)
+        failures = result.failures()
+        # Rank 0 explains its own exit; the launcher speaks only of ranks that died or failed besides it.
+        others = [e for e in result.exits if e.returncode != 0 and (e.rank != 0 or e.returncode < 0)]
+        if others or result.interrupted:
+            print(f"mleng {command}: {len(failures)} of {nproc} ranks did not end cleanly: "
+                  + "; ".join(failures), file=sys.stderr)
+        return result.exit_code
+    if nproc and launch.rank == 0 and nproc != launch.world_size:
+        print(f"mleng {command}: note: --nproc {nproc} ignored; the {launch.mode} launch has "
+              f"{launch.world_size} ranks", file=sys.stderr)
+    return rank_body(launch)
+
+
+def fingerprint(gpus: bool) -> dict:
+    """Rank 0's machine fingerprint, never fatal: a record without one beats no record."""
+    try:
+        from mleng.machine.fingerprint import collect
+
+        return collect(gpus=gpus)
+    except Exception as exc:  # ImportError while it is being written, or any probe failing
+        return {"error": f"fingerprint not collected: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"}
+
+
+def store_record(measurement) -> tuple[str | None, str | None]:
+    """Save on rank 0; (id, None) or (None, why not) so a store problem never hides the measurement."""
+    try:
+        from mleng.results.store import save_measurement
+
+        return save_measurement(measurement), None
+    except MlengError as exc:
+        return None, str(exc)
+
+
+class StopSignals:
+    """Ctrl-C or SIGTERM on a rank: raise KeyboardInterrupt once, then ignore repeats, so rank 0 can
+    store what it measured ("interrupted") even though a launcher forwards the signal again."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous: dict = {}
+
+    def _handler(self, signum, frame):
+        import signal
+
+        self.received = signal.Signals(signum).name
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> "StopSignals":
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)

@@ -1,0 +1,547 @@
+"""Collective bandwidth as nccl-tests measures it: one table entry per op, one shared timing and checking core."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import statistics
+import time
+from typing import Any, Callable, Iterator
+
+from mleng.errors import CheckFailed, UsageError
+from mleng.specs.formulas import busbw_factor  # nccl-tests' factors, kept with the other formulas
+
+# ---------------------------------------------------------------------------------------------
+# Sizes and dtypes
+# ---------------------------------------------------------------------------------------------
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_UNIT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'32K', '1M', '4G', '1048576', '64MiB' -> bytes; the prefixes are binary, as in nccl-tests."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise UsageError(f"size {text!r} is not a byte count", hint="write it like 1048576, 32K, 1M or 4G")
+    value = float(match.group(1)) * _UNIT[match.group(2).lower()]
+    if value < 1 or value != int(value):
+        raise UsageError(f"size {text!r} is not a whole, positive number of bytes")
+    return int(value)
+
+
+def format_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{n} B"
+
+
+def size_sweep(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
+    if min_bytes > max_bytes:
+        raise UsageError(f"--min-bytes {format_bytes(min_bytes)} is above --max-bytes {format_bytes(max_bytes)}")
+    if min_bytes < max_bytes and factor <= 1:
+        raise UsageError(f"--factor {factor:g} must be above 1 to step from min to max bytes")
+    sizes, size = [], float(min_bytes)
+    while size <= max_bytes * (1 + 1e-9):
+        sizes.append(int(size))
+        if factor <= 1:
+            break
+        size *= factor
+    return sizes
+
+
+# name -> torch dtype attribute. uint8 and the fp8 kinds are left out: gloo cannot reduce them,
+# and the --check patterns below are signed.
+DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "float64": "float64",
+          "int32": "int32", "int64": "int64", "int8": "int8"}
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
+                 "bf16": "bfloat16", "fp64": "float64", "double": "float64"}
+
+
+def dtype_name(text: str) -> str:
+    name = DTYPE_ALIASES.get(text.lower(), text.lower())
+    if name not in DTYPES:
+        raise UsageError(f"unknown dtype {text!r}", hint=f"use one of {', '.join(DTYPES)}")
+    return name
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
+# ---------------------------------------------------------------------------------------------
+# --check input patterns: small integers, exact in every dtype above (bf16 holds integers up to 256
+# exactly), so each expected result is known exactly without keeping copies of other ranks' data.
+# Reductions use values in {-1, 0, 1}: any partial sum over up to 256 ranks stays exact in bf16.
+# Data movement uses values in -120..120 that differ between ranks, so a chunk from the wrong rank shows.
+# ---------------------------------------------------------------------------------------------
+
+def reduce_pattern(rank: int, index):
+    return ((index + 2 * rank) % 3) - 1
+
+
+def move_pattern(rank: int, index):
+    return ((index + 37 * rank) % 241) - 120
+
+
+# ---------------------------------------------------------------------------------------------
+# The op table
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One collective. `size` is the per-rank bytes of its larger buffer (nccl-tests' convention)."""
+
+    name: str
+    what: str
+    min_ranks: int
+    split: bool                              # count must divide by the world size (buffers are split n ways)
+    buffers: Callable[..., tuple]            # (count, n, new) -> (input, output); new(numel) makes a tensor
+    issue: Callable[..., list]               # (input, output, rank, n) -> works (async_op=True)
+    fill: Callable[..., None]                # (input, output, rank, n, arange) puts the --check pattern in
+    expected: Callable[..., Any]             # (count, n, rank, arange) -> expected output, or None: nothing to check
+
+    def factor(self, n: int) -> float:
+        return busbw_factor(self.name, n)
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def _sum_over_ranks(n: int, index) -> Any:
+    total = reduce_pattern(0, index)
+    for rank in range(1, n):
+        total = total + reduce_pattern(rank, index)
+    return total
+
+
+def _concat_chunks(n: int, chunk: int, arange, pattern_of_source: Callable[[int, Any], Any]):
+    import torch
+
+    return torch.cat([pattern_of_source(j, arange(chunk)) for j in range(n)])
+
+
+def _all_gather_issue(inp, out, rank, n):
+    dist = _dist()
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return [gather(out, inp, async_op=True)]
+
+
+def _reduce_scatter_issue(inp, out, rank, n):
+    dist = _dist()
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return [scatter(out, inp, async_op=True)]
+
+
+def _send_recv_issue(inp, out, rank, n):
+    dist = _dist()
+    ops = [dist.P2POp(dist.isend, inp, (rank + 1) % n), dist.P2POp(dist.irecv, out, (rank - 1) % n)]
+    return dist.batch_isend_irecv(ops)
+
+
+def _set(tensor, values) -> None:
+    tensor.copy_(values.to(tensor.dtype))
+
+
+OPS: dict[str, Op] = {op.name: op for op in [
+    Op("all_reduce", "sum of every rank's buffer, on every rank", 1, False,
+       buffers=lambda count, n, new: (lambda b: (b, b))(new(count)),
+       issue=lambda inp, out, rank, n: [_dist().all_reduce(out, async_op=True)],
+       fill=lambda inp, out, rank, n, arange: _set(out, reduce_pattern(rank, arange(out.numel()))),
+       expected=lambda count, n, rank, arange: _sum_over_ranks(n, arange(count))),
+    Op("all_gather", "every rank's chunk, concatenated, on every rank", 1, True,
+       buffers=lambda count, n, new: (new(count // n), new(count)),
+       issue=_all_gather_issue,
+       fill=lambda inp, out, rank, n, arange: (_set(inp, move_pattern(rank, arange(inp.numel()))), out.fill_(-99)),
+       expected=lambda count, n, rank, arange: _concat_chunks(n, count // n, arange, move_pattern)),
+    Op("reduce_scatter", "the sum of every rank's buffer, each rank keeping its 1/n chunk", 1, True,
+       buffers=lambda count, n, new: (new(count), new(count // n)),
+       issue=_reduce_scatter_issue,
+       fill=lambda inp, out, rank, n, arange: (_set(inp, reduce_pattern(rank, arange(inp.numel()))), out.fill_(-99)),
+       expected=lambda count, n, rank, arange: _sum_over_ranks(n, arange(count // n) + rank * (count // n))),
+    Op("all_to_all", "chunk j of rank i goes to rank j, as chunk i", 1, True,
+       buffers=lambda count, n, new: (new(count), new(count)),
+       issue=lambda inp, out, rank, n: [_dist().all_to_all_single(out, inp, async_op=True)],
+       fill=lambda inp, out, rank, n, arange: (_set(inp, move_pattern(rank, arange(inp.numel()))), out.fill_(-99)),
+       expected=lambda count, n, rank, arange: _concat_chunks(
+           n, count // n, arange, lambda j, idx: move_pattern(j, idx + rank * (count // n)))),
+    Op("broadcast", "rank 0's buffer, on every rank", 1, False,
+       buffers=lambda count, n, new: (lambda b: (b, b))(new(count)),
+       issue=lambda inp, out, rank, n: [_dist().broadcast(out, 0, async_op=True)],
+       # non-root ranks start from their own pattern, so a broadcast that did nothing is caught
+       fill=lambda inp, out, rank, n, arange: _set(out, move_pattern(rank, arange(out.numel()))),
+       expected=lambda count, n, rank, arange: move_pattern(0, arange(count))),
+    Op("reduce", "sum of every rank's buffer, on rank 0", 1, False,
+       buffers=lambda count, n, new: (lambda b: (b, b))(new(count)),
+       issue=lambda inp, out, rank, n: [_dist().reduce(out, 0, async_op=True)],
+       fill=lambda inp, out, rank, n, arange: _set(out, reduce_pattern(rank, arange(out.numel()))),
+       expected=lambda count, n, rank, arange: _sum_over_ranks(n, arange(count)) if rank == 0 else None),
+    Op("send_recv", "each rank sends to rank+1 and receives from rank-1 at once (a ring of pairs)", 2, False,
+       buffers=lambda count, n, new: (new(count), new(count)),
+       issue=_send_recv_issue,
+       fill=lambda inp, out, rank, n, arange: (_set(inp, move_pattern(rank, arange(inp.numel()))), out.fill_(-99)),
+       expected=lambda count, n, rank, arange: move_pattern((rank - 1) % n, arange(count))),
+]}
+
+
+def op_names(text: list[str] | str) -> list[str]:
+    """--op values (repeatable, comma-separated, or 'all') -> op names in table order."""
+    items = [text] if isinstance(text, str) else list(text)
+    names: list[str] = []
+    for item in items:
+        for name in item.split(","):
+            name = name.strip().lower().replace("-", "_")
+            if not name:
+                continue
+            if name == "all":
+                names.extend(OPS)
+                continue
+            name = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
+                    "alltoall": "all_to_all", "sendrecv": "send_recv", "p2p": "send_recv"}.get(name, name)
+            if name not in OPS:
+                raise UsageError(f"unknown op {name!r}", hint=f"use one or several of {', '.join(OPS)}, or all")
+            names.append(name)
+    return list(dict.fromkeys(names))
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics
+# ---------------------------------------------------------------------------------------------
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    pos = (len(ordered) - 1) * q / 100
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def time_stats(samples_s: list[float]) -> dict[str, float]:
+    mean = statistics.fmean(samples_s)
+    return {
+        "time_us": statistics.median(samples_s) * 1e6,
+        "time_min_us": min(samples_s) * 1e6,
+        "time_max_us": max(samples_s) * 1e6,
+        "time_p99_us": percentile(samples_s, 99) * 1e6,
+        "time_cv": (statistics.pstdev(samples_s) / mean) if mean > 0 and len(samples_s) > 1 else 0.0,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing core
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Settings:
+    ops: list[str]
+    sizes: list[int]
+    dtype: str = "float32"
+    iters: int = 20
+    warmup: int = 5
+    repeats: int = 5
+    blocking: bool = False
+    check: bool = False
+    cuda_graph: bool = True
+    seed: int = 1234
+
+
+def timing_note(settings: Settings, uses_graph: bool) -> str:
+    if settings.blocking:
+        return (f"blocking: each of {settings.iters} iterations timed alone (synchronized after each op); "
+                f"stats over the {settings.iters} per-iteration times, each the slowest rank's")
+    how = "replayed from a CUDA graph" if uses_graph else "issued back to back"
+    return (f"non-blocking: {settings.iters} iterations {how}, one synchronization at the end; the loop runs "
+            f"{settings.repeats} times and the stats are over the {settings.repeats} loop averages, "
+            f"each the slowest rank's")
+
+
+class _Timer:
+    """Host clock on CPU; CUDA events on GPU (never a host clock around asynchronous work)."""
+
+    def __init__(self, device: str):
+        import torch
+
+        self.cuda = device.startswith("cuda")
+        self.torch = torch
+        if self.cuda:
+            self.start_event = torch.cuda.Event(enable_timing=True)
+            self.end_event = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.cuda:
+            self.start_event.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        """Seconds since start(), waiting for the device to finish."""
+        if self.cuda:
+            self.end_event.record()
+            self.end_event.synchronize()
+            return self.start_event.elapsed_time(self.end_event) / 1e3
+        return time.perf_counter() - self._t0
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+
+def _run_once(op: Op, inp, out, rank: int, n: int) -> None:
+    for work in op.issue(inp, out, rank, n):
+        if work is not None:
+            work.wait()
+
+
+def _line_up(job, device: str) -> None:
+    """All ranks start a timed loop together; a tiny all_reduce also works where barrier() would warn."""
+    import torch
+
+    flag = torch.ones(1, device=device)
+    _dist().all_reduce(flag)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _capture_graph(op: Op, inp, out, rank: int, n: int, iters: int):
+    """A CUDA graph of `iters` back-to-back ops, or (None, reason) where capture is not possible."""
+    import torch
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            _run_once(op, inp, out, rank, n)  # NCCL needs one op outside capture on this stream
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                _run_once(op, inp, out, rank, n)
+        torch.cuda.synchronize()
+        return graph, None
+    except Exception as exc:  # older NCCL, unsupported op: fall back to eager, and say so
+        torch.cuda.synchronize()
+        return None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def measure_size(job, op: Op, size_bytes: int, settings: Settings) -> dict[str, Any] | None:
+    """One row: the op at one size, timed on every rank, the slowest rank's time kept, optionally checked."""
+    import torch
+
+    n, rank, device = job.world_size, job.rank, job.device
+    dtype = torch_dtype(settings.dtype)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    count = size_bytes // elem
+    if op.split:
+        count -= count % n
+    if count < (n if op.split else 1):
+        return None  # too small to split n ways: nccl-tests skips it too
+
+    generator = torch.Generator(device=device).manual_seed(settings.seed + 7919 * rank)
+
+    def new(numel: int):
+        if dtype.is_floating_point:
+            return torch.randn(numel, dtype=dtype, device=device, generator=generator)
+        return torch.randint(-100, 100, (numel,), dtype=dtype, device=device, generator=generator)
+
+    inp, out = op.buffers(count, n, new)
+    timer = _Timer(device)
+    for _ in range(settings.warmup):
+        _run_once(op, inp, out, rank, n)
+    timer.sync()
+
+    graph, graph_note = None, None
+    if device.startswith("cuda") and settings.cuda_graph and not settings.blocking:
+        graph, graph_note = _capture_graph(op, inp, out, rank, n, settings.iters)
+    local: list[float] = []
+    if settings.blocking:
+        _line_up(job, device)
+        for _ in range(settings.iters):
+            timer.start()
+            _run_once(op, inp, out, rank, n)
+            local.append(timer.stop())
+    else:
+        for _ in range(settings.repeats):
+            _line_up(job, device)
+            timer.start()
+            if graph is not None:
+                graph.replay()
+            else:
+                for _ in range(settings.iters):
+                    _run_once(op, inp, out, rank, n)
+            local.append(timer.stop() / settings.iters)
+
+    # A collective takes as long as its slowest rank: keep the per-sample maximum over ranks.
+    samples = torch.tensor(local, dtype=torch.float64, device=device)
+    _dist().all_reduce(samples, op=_dist().ReduceOp.MAX)
+    samples_s = samples.cpu().tolist()
+
+    stats = time_stats(samples_s)
+    seconds = stats["time_us"] / 1e6
+    algbw = count * elem / seconds / 1e9 if seconds > 0 else 0.0
+    row: dict[str, Any] = {
+        "op": op.name, "size_bytes": count * elem, "count": count, "dtype": settings.dtype,
+        **stats, "algbw_gbps": algbw, "busbw_gbps": algbw * op.factor(n),
+        "samples": len(samples_s), "iters": settings.iters,
+    }
+    if graph is not None:
+        row["timing"] = "cuda_graph"
+    elif graph_note:
+        row["timing"] = f"eager (CUDA graph capture failed: {graph_note})"
+    del graph
+    if settings.check:
+        row["wrong"] = check_op(op, inp, out, count, n, rank, device)
+    return row
+
+
+def check_op(op: Op, inp, out, count: int, n: int, rank: int, device: str) -> int:
+    """Run the op once on the known pattern; the number of wrong elements summed over ranks."""
+    import torch
+
+    def arange(k: int):
+        return torch.arange(k, device=device, dtype=torch.int64)
+
+    op.fill(inp, out, rank, n, arange)
+    _run_once(op, inp, out, rank, n)
+    expected = op.expected(count, n, rank, arange)
+    wrong = torch.zeros(1, dtype=torch.int64, device=device)
+    if expected is not None:
+        wrong += (out != expected.to(out.dtype)).sum()
+    _dist().all_reduce(wrong)
+    return int(wrong.item())
+
+
+def sweep(job, settings: Settings) -> Iterator[dict]:
+    """Rows for every op and size, in order; a failing collective becomes a CheckFailed naming op and size."""
+    from mleng.distributed.group import collective_error
+
+    for name in settings.ops:
+        op = OPS[name]
+        if job.world_size < op.min_ranks:
+            raise UsageError(f"{name} needs at least {op.min_ranks} ranks; this job has {job.world_size}",
+                             hint="start more ranks (--nproc 2) or leave send_recv out")
+        for size in settings.sizes:
+            try:
+                row = measure_size(job, op, size, settings)
+            except (UsageError, CheckFailed, KeyboardInterrupt):
+                raise
+            except Exception as exc:
+                raise collective_error(exc, f"{name} at {format_bytes(size)}", job.rank, job.timeout_s) from None
+            if row is not None:
+                yield row
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference rates
+# ---------------------------------------------------------------------------------------------
+
+def reference_rate(backend: str, ranks: list[dict], machine: dict | None = None,
+                   given_gbps: float | None = None) -> tuple[float | None, str]:
+    """The link rate the peak busbw is compared with (GB/s, unidirectional per GPU) and where it came from."""
+    if given_gbps:
+        return float(given_gbps), "given with --reference-gbps"
+    hosts = {r.get("host") for r in ranks}
+    if len(ranks) <= 1:
+        return None, "one rank: nothing crosses a link, so there is no reference rate"
+    if backend != "nccl":
+        where = "loopback" if len(hosts) <= 1 else "TCP between hosts"
+        return None, f"no reference rate for {backend} over {where}"
+    if len(hosts) <= 1:
+        name = next((r.get("gpu_name") for r in ranks if r.get("gpu_name")), None)
+        if not name:
+            return None, "the GPU model was not detected, so there is no NVLink rate to compare with"
+        try:
+            from mleng.specs import lookup_accelerator
+
+            acc = lookup_accelerator(name)
+        except ImportError:
+            return None, "mleng.specs is not available in this installation"
+        except Exception as exc:
+            return None, f"no spec entry for {name} ({str(exc).splitlines()[0]})"
+        gbps = getattr(acc, "intra_node_gbps", None)
+        if not gbps:
+            return None, f"the spec entry for {acc.name} has no intra-node link rate"
+        link = getattr(acc, "intra_node_link", None) or "intra-node link"
+        return float(gbps), f"{acc.name} {link}: {gbps:g} GB/s per GPU, unidirectional (mleng specs)"
+    # Across nodes the slowest hop is the NIC share of each GPU: active port rates of this node
+    # (rank 0's fingerprint), Gb/s -> GB/s, divided by the ranks on the node.
+    ports = []
+    for dev in ((machine or {}).get("infiniband") or {}).get("devices", []) or []:
+        for port in dev.get("ports", []) or []:
+            if port.get("state") == "ACTIVE" and port.get("rate_gbps"):
+                ports.append(float(port["rate_gbps"]))
+    if not ports:
+        return None, ("no active InfiniBand/RoCE port found on rank 0's node, so the NIC rate per GPU is "
+                      "unknown; give --reference-gbps")
+    per_node = sum(1 for r in ranks if r.get("host") == ranks[0].get("host")) or 1
+    gbps = sum(ports) / 8 / per_node
+    return gbps, (f"{len(ports)} active NIC port(s), {sum(ports):g} Gb/s in all on {ranks[0].get('host')}, "
+                  f"shared by {per_node} rank(s): {gbps:g} GB/s per GPU")
+
+
+def summarize(rows: list[dict], reference_gbps: float | None, reference_note: str,
+              min_busbw: float | None = None) -> dict[str, Any]:
+    """Headline: the peak busbw (per op and overall) and its share of the reference rate."""
+    per_op: dict[str, dict] = {}
+    for row in rows:
+        best = per_op.get(row["op"])
+        if best is None or row["busbw_gbps"] > best["peak_busbw_gbps"]:
+            per_op[row["op"]] = {"peak_busbw_gbps": row["busbw_gbps"], "at_size_bytes": row["size_bytes"],
+                                 "ratio": (row["busbw_gbps"] / reference_gbps) if reference_gbps else None}
+    wrong = sum(int(r.get("wrong") or 0) for r in rows)
+    summary: dict[str, Any] = {"value": None, "unit": "GB/s", "theoretical": reference_gbps, "ratio": None,
+                               "metric": "peak busbw", "reference": reference_note, "ops": per_op}
+    if per_op:
+        op, best = max(per_op.items(), key=lambda kv: kv[1]["peak_busbw_gbps"])
+        summary.update(value=best["peak_busbw_gbps"], op=op, at_size_bytes=best["at_size_bytes"],
+                       ratio=best["ratio"])
+    summary["verdict"] = "inconclusive" if reference_gbps is None else "measured"
+    if any("wrong" in r for r in rows):
+        summary["wrong"] = wrong
+    if min_busbw is not None:
+        below = sorted(op for op, best in per_op.items() if best["peak_busbw_gbps"] < min_busbw)
+        summary["min_busbw_gbps"] = min_busbw
+        summary["below_min_busbw"] = below
+    return summary
+
+
+def plot_busbw(rows: list[dict], path: str, reference_gbps: float | None, reference_note: str) -> None:
+    """busbw against size, one line per op, the reference rate dashed where there is one."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib", hint="pip install matplotlib (or mleng[plot])") from None
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for op in dict.fromkeys(r["op"] for r in rows):
+        mine = [r for r in rows if r["op"] == op]
+        ax.plot([r["size_bytes"] for r in mine], [r["busbw_gbps"] for r in mine], marker="o", label=op)
+    if reference_gbps:
+        ax.axhline(reference_gbps, linestyle="--", color="gray", label=f"reference {reference_gbps:g} GB/s")
+    ax.set_xscale("log", base=2)
+    sizes = sorted({r["size_bytes"] for r in rows})
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([format_bytes(s) for s in sizes], rotation=45, ha="right", fontsize=8)
+    ax.set_xlabel("size per rank (binary prefixes)")
+    ax.set_ylabel("busbw (GB/s, base 10)")
+    ax.set_title("mleng comm" + ("" if reference_gbps else f" ({reference_note})"), fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise UsageError(f"cannot write the plot to {path}: {exc.strerror}") from None
+    finally:
+        plt.close(fig)
