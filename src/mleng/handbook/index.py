@@ -15,7 +15,7 @@ from mleng.handbook import terms as T
 from mleng.handbook.model import default_entries_dir, entry_files
 
 # The layout of the cache file; the fingerprint also covers the code that fills it.
-INDEX_SCHEMA = 1
+INDEX_SCHEMA = 2
 INDEX_FILENAME = "handbook-index.sqlite"
 FTS_COLUMNS = ("title", "symptoms", "signatures", "codes", "tags", "cause", "confirm", "fix", "seen", "body")
 
@@ -52,7 +52,7 @@ class IndexedEntry:
 
 
 class Index:
-    """An open index: FTS5 table `docs`, the entries in rowid order, and the files skipped."""
+    """An open index: FTS5 table `docs`, per-term `postings`, the entries in rowid order, the files skipped."""
 
     def __init__(self, conn: sqlite3.Connection, path: Path | None, rebuilt: bool):
         self.conn = conn
@@ -68,6 +68,9 @@ class Index:
             for f, fld, m in conn.execute("SELECT file, field, message FROM skipped ORDER BY file")
         ]
         self.by_rowid = {e.rowid: e for e in self.entries}
+        # Row lengths in tokens (all columns), for BM25's length normalisation.
+        self.lengths: dict[int, int] = dict(conn.execute("SELECT rowid, length FROM entries"))
+        self.average_length = sum(self.lengths.values()) / max(1, len(self.lengths))
 
     def close(self) -> None:
         self.conn.close()
@@ -77,7 +80,10 @@ def _create_schema(conn: sqlite3.Connection) -> None:
     conn.executescript(f"""
         CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
         CREATE TABLE entries (rowid INTEGER PRIMARY KEY, id TEXT UNIQUE NOT NULL, data TEXT NOT NULL,
-                              codes TEXT NOT NULL, shingles TEXT NOT NULL, anchors TEXT NOT NULL);
+                              codes TEXT NOT NULL, shingles TEXT NOT NULL, anchors TEXT NOT NULL,
+                              length INTEGER NOT NULL);
+        -- term frequency of each (porter-stemmed) term per entry and column, for our own BM25
+        CREATE TABLE postings (term TEXT NOT NULL, rowid INTEGER NOT NULL, col INTEGER NOT NULL, tf INTEGER NOT NULL);
         CREATE TABLE skipped (file TEXT NOT NULL, field TEXT NOT NULL, message TEXT NOT NULL);
         CREATE VIRTUAL TABLE docs USING fts5({", ".join(FTS_COLUMNS)}, tokenize='porter unicode61');
     """)
@@ -103,10 +109,6 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> 
         shingle_set = T.shingles(words)
         for symptom in entry.symptoms:
             shingle_set |= T.shingles(T.terms(symptom))
-        conn.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", (
-            rowid, entry.id, json.dumps(data), json.dumps(sorted(entry_codes(data))),
-            json.dumps(sorted(shingle_set)), json.dumps([T.regex_anchor(s) for s in entry.signatures]),
-        ))
         fields = {
             "title": entry.title, "symptoms": "\n".join(entry.symptoms),
             "signatures": "\n".join(entry.signatures),
@@ -116,8 +118,24 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> 
             "seen": entry.sections.get("What you see", ""),
             "body": "\n".join(v for k, v in entry.sections.items() if k != "What you see"),
         }
+        columns = [" ".join(T.terms(fields[c])) for c in FTS_COLUMNS]
+        conn.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)", (
+            rowid, entry.id, json.dumps(data), json.dumps(sorted(entry_codes(data))),
+            json.dumps(sorted(shingle_set)), json.dumps([T.regex_anchor(s) for s in entry.signatures]),
+            sum(len(text.split()) for text in columns),
+        ))
         conn.execute(f"INSERT INTO docs (rowid, {', '.join(FTS_COLUMNS)}) VALUES (?{', ?' * len(FTS_COLUMNS)})",
-                     (rowid, *(" ".join(T.terms(fields[c])) for c in FTS_COLUMNS)))
+                     (rowid, *columns))
+    # FTS5 stems the terms (porter); its vocabulary view hands the stemmed occurrences back, which we
+    # keep as postings so ranking can use its own IDF (FTS5's bm25() zeroes any term in half the rows).
+    conn.execute("CREATE VIRTUAL TABLE temp.vocab USING fts5vocab(main, docs, instance)")
+    column_number = {name: i for i, name in enumerate(FTS_COLUMNS)}
+    conn.executemany("INSERT INTO postings VALUES (?, ?, ?, ?)", [
+        (term, rowid, column_number[col], tf) for term, rowid, col, tf in
+        conn.execute("SELECT term, doc, col, count(*) FROM temp.vocab GROUP BY term, doc, col")
+    ])
+    conn.execute("DROP TABLE temp.vocab")
+    conn.execute("CREATE INDEX postings_term ON postings (term)")
     conn.executemany("INSERT INTO skipped VALUES (?, ?, ?)", [(e.file, e.field, e.message) for e in skipped])
     conn.execute("INSERT INTO meta VALUES ('fingerprint', ?)", (print_fingerprint,))
     conn.commit()

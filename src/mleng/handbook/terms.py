@@ -43,9 +43,38 @@ def terms(text: str) -> list[str]:
     concrete instance numbers in a pasted log do not stop it matching an entry's generic words.
     """
     out: list[str] = []
-    for token in _TOKEN_RE.findall(_PATH_RE.sub(" ", text.lower())):
+    text = _PATH_RE.sub(" ", text.lower())
+    for pattern, replacement in _PHRASES:
+        text = pattern.sub(replacement, text)
+    for token in _TOKEN_RE.findall(text):
         out.extend(_token_terms(token))
     return out
+
+
+# Words people use for the same symptom. A token in a group also yields the group's word, on both
+# the entry and the query side, so "the job is stuck" meets an entry written as "the job hangs" and
+# "OOM" meets "out of memory". (Porter stemming already folds hangs/hanging; it does not fold
+# stuck/hang, slower/slow or oom/memory.) Groups stay narrow: one symptom, no loose associations.
+SYNONYMS = {
+    "hang": "hang hangs hanging hung stuck freeze freezes freezing froze deadlock deadlocks deadlocked"
+            " deadlocking unresponsive",
+    "slow": "slow slower slowest slowly slowdown slowdowns slowness sluggish crawl crawls crawling",
+    "diverge": "diverge diverges diverged diverging divergence explode explodes exploded exploding explosion"
+               " blowup blew",
+    "sync": "sync syncs synced syncing synchronize synchronizes synchronized synchronizing synchronization"
+            " synchronous",
+    "utilization": "util utilization utilizations",
+    "oscillate": "oscillate oscillates oscillating oscillation fluctuate fluctuates fluctuating fluctuation"
+                 " fluctuations erratic",
+    "memory": "oom ooms oomed",
+}
+_CANONICAL = {word: canon for canon, group in SYNONYMS.items() for word in group.split() if word != canon}
+# British spellings (initialise, utilisation) are folded to the American ones the other way round.
+_BRITISH_RE = re.compile(r"^(initial|optim|serial|deserial|normal|util|synchron|recogn|minim|maxim|parallel"
+                         r"|token|summar|organ|priorit|real|custom|visual|final|author|special|categor|quant"
+                         r"|vector|random|character|standard|stabil|central|local)is(e|es|ed|ing|er|ers|ation|ations)$")
+_PHRASES = [(re.compile(r"\blow[\s-]+speed\b"), "slow"), (re.compile(r"\bblows?[\s-]+up\b"), "diverge"),
+            (re.compile(r"\bout[\s-]+of[\s-]+memory\b"), "oom")]
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -56,6 +85,12 @@ def _token_terms(token: str) -> tuple[str, ...]:
         return ()
     if token.startswith("0x") or (len(token) >= 6 and _HEX_RE.fullmatch(token)):
         return ()
+    british = _BRITISH_RE.match(token)
+    if british:
+        token = f"{british.group(1)}iz{british.group(2)}"
+    canonical = _CANONICAL.get(token)
+    if canonical:
+        return token, canonical
     match = _LETTERS_DIGITS_RE.fullmatch(token)
     if match and match.group(1) not in STOPWORDS:
         return token, match.group(1)

@@ -1,0 +1,72 @@
+"""Search quality of `mleng ask` on the held-out set: real queries nobody tuned the ranking on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from mleng.handbook.index import open_index
+from mleng.handbook.model import load_entries
+from mleng.handbook.search import evaluate, query_weights
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRIES = ROOT / "src" / "mleng" / "handbook" / "entries"
+HELDOUT = ROOT / "tests" / "handbook_heldout.yaml"
+DEVSET = ROOT / "tests" / "handbook_devset.yaml"
+
+
+def _expected(case: dict) -> list[str]:
+    return case["expected"] if isinstance(case["expected"], list) else [case["expected"]]
+
+
+def test_heldout_is_real_new_and_labelled():
+    cases = yaml.safe_load(HELDOUT.read_text())
+    dev_queries = {c["query"].strip() for c in yaml.safe_load(DEVSET.read_text())}
+    ids = {e.id for e in load_entries(ENTRIES)[0]}
+    assert len(cases) >= 60
+    for case in cases:
+        assert case["source"].startswith("https://"), case
+        assert case["query"].strip() not in dev_queries, f"also in the dev set: {case['query'][:80]}"
+        for entry_id in _expected(case):
+            assert entry_id in ids, f"held-out set names {entry_id!r}, which is not an entry"
+    assert len({c["query"] for c in cases}) == len(cases), "duplicate queries"
+
+
+def test_search_quality_on_heldout(tmp_path):
+    cases = yaml.safe_load(HELDOUT.read_text())
+    index = open_index(ENTRIES, tmp_path / "idx.sqlite")
+    try:
+        result = evaluate(cases, index, depth=3)
+    finally:
+        index.close()
+    print(f"\nheld-out: {result['cases']} queries, hit@1 {result['hit_at_1']:.3f}, hit@3 {result['hit_at_3']:.3f}")
+    misses = [f"{'/'.join(_expected(c))} <- {r['query'][:80]!r} (got {r['got']})"
+              for c, r in zip(cases, result["rows"]) if not r["position"]]
+    assert result["hit_at_3"] >= 0.9, "\n".join(misses)
+
+
+def test_traceback_frames_count_less_than_the_error_line():
+    paste = (
+        '  File "/venv/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1790, in inner\n'
+        "    result = forward_call(*args, **kwargs)\n"
+        "             ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n"
+        "RuntimeError: CUDA error: unspecified launch failure\n"
+    )
+    weights = query_weights(paste)
+    assert weights["inner"] < 1.0 and weights["forward"] < 1.0     # frame line and its source line
+    assert weights["unspecified"] == 1.0 and weights["launch"] == 1.0
+    assert set(query_weights("RuntimeError: CUDA error: unspecified launch failure").values()) == {1.0}
+
+
+def test_plain_language_synonyms_meet_the_entry_words():
+    from mleng.handbook import terms as T
+
+    assert "hang" in T.terms("training is stuck at step 200")
+    assert "hang" in T.terms("the job freezes")
+    assert "slow" in T.terms("two nodes are slower than one") and "slow" in T.terms("low-speed node")
+    assert "memory" in T.terms("OOM on rank 3") and "oom" in T.terms("CUDA out of memory")
+    assert "utilization" in T.terms("GPU utilisation is low") and "utilization" in T.terms("GPU-Util 100%")
+    assert "initialize" in T.terms("failed to initialise NCCL")
+    assert "sync" in T.terms("a hidden synchronization every step")
+    assert "precise" in T.terms("precise")   # not every word ending in -ise is British spelling
