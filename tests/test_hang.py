@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,18 +14,10 @@ JOBS = Path(__file__).parent / "jobs"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(nproc: int, script: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
-    port = _free_port()
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(
-        TORCHRUN + ["--nnodes=1", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint=127.0.0.1:{port}", str(script), *args],
+        TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", str(script), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True)
 
 
@@ -36,7 +27,7 @@ def _wait_ready(proc: subprocess.Popen, nranks: int, timeout: float = 180) -> No
         line = proc.stdout.readline()
         if not line:
             break
-        ready += "ready" in line
+        ready += line.count("ready")
     assert ready == nranks, "the job did not start all ranks"
     time.sleep(1.0)  # let the ranks enter the all-reduce
 
