@@ -43,6 +43,8 @@ def test_dump_names_the_rank_that_skipped_the_collective(run_mleng):
         _wait_ready(job, 3)
         result = run_mleng("hang", "dump", "--pid", str(job.pid), "--json", timeout=180)
         human = run_mleng("hang", "dump", "--pid", str(job.pid), timeout=180)
+        rank_pids = [int(c) for c in Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()]
+        from_one_rank = run_mleng("hang", "dump", "--pid", str(rank_pids[0]), timeout=180)
     finally:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait(10)
@@ -55,6 +57,7 @@ def test_dump_names_the_rank_that_skipped_the_collective(run_mleng):
     assert not dump["groups"][1]["outlier"] and dump["groups"][1]["ranks"] == [0, 2]
     assert "all_reduce" in dump["groups"][1]["stack"][0]
     assert "ODD ONE OUT: rank(s) 1" in human.stdout
+    assert f"hung_rank_skips_allreduce.py:{sleep_line}" in from_one_rank.stdout and "3 rank(s)" in from_one_rank.stdout
     assert f"hung_rank_skips_allreduce.py:{sleep_line}" in human.stdout
 
 

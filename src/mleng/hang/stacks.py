@@ -75,7 +75,13 @@ def find_rank_processes(pid: int | None = None, slurm_job: str | None = None) ->
     if pid is not None:
         if not (PROC / str(pid)).exists():
             raise UsageError(f"no process with pid {pid}", hint="give the pid of torchrun or of one rank")
-        candidates = [pid] + descendants(pid)
+        root = pid
+        if _is_rank(read_environ(pid)):
+            # Given one rank of a torchrun job, look at all of its agent's ranks.
+            parent = _parent(pid)
+            if parent and "TORCHELASTIC_RUN_ID" in read_environ(pid):
+                root = parent
+        candidates = [root] + descendants(root)
     else:
         candidates = [int(p.name) for p in PROC.iterdir() if p.name.isdigit() and int(p.name) != os.getpid()]
     ranks: dict[int, dict[str, Any]] = {}
@@ -100,16 +106,19 @@ def find_rank_processes(pid: int | None = None, slurm_job: str | None = None) ->
     return [ranks[r] for r in sorted(ranks)]
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        return int((PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
+        return None
+
+
 def _ancestors(pid: int) -> set[int]:
-    seen = set()
-    current = pid
-    while current > 1 and current not in seen:
+    seen: set[int] = set()
+    current: int | None = pid
+    while current and current > 1 and current not in seen:
         seen.add(current)
-        try:
-            stat = (PROC / str(current) / "stat").read_text()
-            current = int(stat.rsplit(")", 1)[1].split()[1])
-        except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
-            break
+        current = _parent(current)
     seen.discard(pid)
     return seen
 
