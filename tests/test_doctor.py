@@ -174,7 +174,8 @@ def test_doctor_bad_fingerprint_file(run_mleng, tmp_path):
 
 def test_doctor_on_this_cpu_machine_completes_in_time(run_mleng, tmp_path):
     started = time.monotonic()
-    result = run_mleng("doctor", "--json", "--checkpoint-dir", str(tmp_path), timeout=300)
+    report = tmp_path / "doctor.html"
+    result = run_mleng("doctor", "--json", "--checkpoint-dir", str(tmp_path), "--report", str(report), timeout=300)
     elapsed = time.monotonic() - started
     record = json.loads(result.stdout)
     rows = {(r["check"], r["severity"]) for r in record["rows"]}
@@ -184,4 +185,6 @@ def test_doctor_on_this_cpu_machine_completes_in_time(run_mleng, tmp_path):
     measured = record["summary"]["measurements"]
     assert {"matmul", "collective", "membw"} <= set(measured), record["rows"]
     assert result.returncode in (0, 1)
+    page = report.read_text()
+    assert "busbw against message size" in page and "TFLOPS per shape around the best" in page
     print(f"doctor on this machine: {elapsed:.1f} s")

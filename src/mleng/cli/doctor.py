@@ -39,6 +39,21 @@ def _load_fingerprint(path: str) -> dict:
         else data
 
 
+def _linked_measurements(record) -> list:
+    """The stored records of the measurements this doctor run made, for the report's plots."""
+    from mleng.errors import MlengError
+    from mleng.results.store import Store
+
+    linked = []
+    with Store() as store:
+        for measurement_id in (record.summary.get("measurements") or {}).values():
+            try:
+                linked.append(store.get(measurement_id))
+            except MlengError:
+                continue  # a measurement that was not stored (it failed before saving) has no plot
+    return linked
+
+
 def run(args: argparse.Namespace) -> int:
     from mleng.doctor.runner import run_doctor
 
@@ -55,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         from mleng.report.html import write_report
 
-        write_report([record], args.report)
+        write_report([record] + _linked_measurements(record), args.report, title="mleng doctor report")
     if args.json:
         print_json(record.to_dict())
     else:
