@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 JOBS = Path(__file__).parent / "jobs"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

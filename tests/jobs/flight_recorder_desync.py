@@ -2,7 +2,6 @@
 
 import datetime
 import os
-import pickle
 import sys
 import time
 

@@ -6,7 +6,8 @@ import argparse
 import signal
 import sys
 
-from mleng.cli.render import print_json, table
+from mleng.cli.common import store_print_exit
+from mleng.cli.render import table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,18 +57,7 @@ def run(args: argparse.Namespace) -> int:
                            metadata_files=args.files, on_row=on_row, on_workspace=on_workspace)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if not args.no_store:
-        from mleng.results.store import Store
-
-        with Store() as store:
-            store.save(m)
-    if args.json:
-        print_json(m.to_dict())
-    else:
-        print(render(m, format_bytes))
-    if m.status == "interrupted":
-        return 130
-    return 0 if m.status == "complete" else 1
+    return store_print_exit(m, args, lambda record: render(record, format_bytes))
 
 
 def render(m, format_bytes) -> str:

@@ -109,7 +109,7 @@ def _run_one(options, quiet: bool):
 
     def on_start(info: dict) -> None:
         search = info["params"]["search"]
-        what = (f"adaptive search" if search == "adaptive"
+        what = ("adaptive search" if search == "adaptive"
                 else f"{info['params']['shapes']} shapes")
         print(f"mleng mamf: {info['name']} ({info['device']}), {info['dtype']}, {what}, "
               f"budget {options.max_seconds:g} s from process start", file=sys.stderr, flush=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mleng.cli.render import print_json, table
+from mleng.cli.common import store_print_exit
+from mleng.cli.render import table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,18 +44,7 @@ def run(args: argparse.Namespace) -> int:
     m = membw.run_membw(device=args.device, all_devices=args.all_devices, size_bytes=size, tests=tests,
                         engines=engines, iters=args.iters, warmup=args.warmup, threads=args.threads,
                         on_row=on_row)
-    if not args.no_store:
-        from mleng.results.store import Store
-
-        with Store() as store:
-            store.save(m)
-    if args.json:
-        print_json(m.to_dict())
-    else:
-        print(render(m, format_bytes))
-    if m.status == "interrupted":
-        return 130
-    return 0 if m.status == "complete" else 1
+    return store_print_exit(m, args, lambda record: render(record, format_bytes))
 
 
 def _label(row: dict) -> str:

@@ -51,12 +51,9 @@ def run_as_ranks(command: str, argv: list[str], nproc: int | None, timeout_s: fl
 
 def fingerprint(gpus: bool) -> dict:
     """Rank 0's machine fingerprint, never fatal: a record without one beats no record."""
-    try:
-        from mleng.machine.fingerprint import collect
+    from mleng.machine.fingerprint import collect_for_record
 
-        return collect(gpus=gpus)
-    except Exception as exc:  # ImportError while it is being written, or any probe failing
-        return {"error": f"fingerprint not collected: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"}
+    return collect_for_record(gpus=gpus)
 
 
 def store_record(measurement) -> tuple[str | None, str | None]:

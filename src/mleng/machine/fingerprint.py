@@ -120,3 +120,11 @@ def collect(gpus: bool = True, torch_versions: bool = True) -> dict[str, Any]:
     fingerprint["limits"] = _section(system.limits_info)
     fingerprint["env"] = _section(redact.captured_env)
     return fingerprint
+
+
+def collect_for_record(gpus: bool = True) -> dict[str, Any]:
+    """collect() for embedding in a measurement: a fingerprint problem must never cost the measurement."""
+    try:
+        return collect(gpus=gpus)
+    except Exception as exc:  # noqa: BLE001 - reported in the record instead of raised
+        return {"error": f"fingerprint failed: {type(exc).__name__}: {exc}"}

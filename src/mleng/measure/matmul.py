@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from mleng.errors import MlengError, NotAvailableError, UsageError
 from mleng.measure.timing import TimingStats, process_elapsed_s
+from mleng.machine.fingerprint import collect_for_record
 
 DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e4m3fnuz")
 DTYPE_ALIASES = {
@@ -871,7 +872,7 @@ def run_mamf(options: MamfOptions, on_result: OnResult | None = None,
               "shapes": len(shapes) if space is None else None, "iters": options.iters}
     if dtype in FP8_DTYPES:
         params["fp8_fast_accum"] = options.fp8_fast_accum
-    measurement = Measurement.start("mamf", params, machine=_fingerprint())
+    measurement = Measurement.start("mamf", params, machine=collect_for_record())
     deadline = time.monotonic() + options.max_seconds - process_elapsed_s()
 
     monitor = None
@@ -1033,19 +1034,6 @@ def _nvml_uuid(device) -> str | None:
     return text if text.startswith("GPU-") else f"GPU-{text}"
 
 
-def _fingerprint() -> dict[str, Any]:
-    try:
-        from mleng.machine.fingerprint import collect
-    except ImportError:
-        return {}
-    try:
-        return collect(gpus=True)
-    except Exception as exc:  # a fingerprint problem must not lose the measurement
-        return {"error": f"fingerprint failed: {exc}"}
-
-
-# ---------------------------------------------------------------- all local GPUs at once
-
 def run_all_devices(child_argv: Callable[[int], list[str]], count: int, env: dict[str, str] | None = None):
     """One `mleng mamf --device I --json --no-store` process per GPU, all at the same time.
 
@@ -1062,7 +1050,7 @@ def run_all_devices(child_argv: Callable[[int], list[str]], count: int, env: dic
         processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                           env=env or os.environ.copy()))
     measurement = Measurement.start("mamf", {"all_devices": True, "devices": count,
-                                             "child_argv": child_argv(0)}, machine=_fingerprint())
+                                             "child_argv": child_argv(0)}, machine=collect_for_record())
     outputs = []
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # children get Ctrl-C and stop themselves
     try:

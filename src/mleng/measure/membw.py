@@ -8,6 +8,8 @@ from typing import Any, Callable, Iterable
 
 from mleng.errors import MlengError, NotAvailableError, UsageError
 from mleng.measure.sizes import format_bytes
+from mleng.machine.fingerprint import collect_for_record
+from mleng.measure.timing import cpu_model_name
 
 TESTS = ("copy", "read", "write", "h2d", "d2h")
 CPU_TESTS = ("copy", "read", "write")
@@ -478,7 +480,7 @@ def device_context(devices: list[str]) -> dict[str, dict[str, Any]]:
     context: dict[str, dict[str, Any]] = {}
     for device in devices:
         if device == "cpu":
-            context[device] = {"name": _cpu_model(), "hbm_gbps": None,
+            context[device] = {"name": cpu_model_name(), "hbm_gbps": None,
                                "hbm_source": "no reference bandwidth for CPU memory (DIMM population unknown)",
                                "pcie": None}
             continue
@@ -490,17 +492,6 @@ def device_context(devices: list[str]) -> dict[str, dict[str, Any]]:
         context[device] = {"name": name, "hbm_gbps": hbm_gbps, "hbm_source": hbm_source,
                            "pcie": {**link, "theoretical_gbps": pcie_gbps, "theoretical_source": pcie_source}}
     return context
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu"
 
 
 def add_theory(rows: list[dict[str, Any]], context: dict[str, dict[str, Any]]) -> None:
@@ -583,7 +574,7 @@ def run_membw(*, device: int | None = None, all_devices: bool = False, size_byte
               "dtype": "float32", "inputs": "random normal",
               "timing": "CUDA events per iteration, L2 flushed between iterations" if on_gpu
               else "host clock per iteration, last-level cache flushed between iterations"}
-    m = Measurement.start("membw", params, machine=_fingerprint(on_gpu))
+    m = Measurement.start("membw", params, machine=collect_for_record(gpus=on_gpu))
     t0 = time.monotonic()
     kwargs = dict(size_bytes=size_bytes, tests=tests, engines=engines, iters=iters, warmup=warmup,
                   threads=threads)
@@ -622,12 +613,3 @@ def _finish(m, rows, context, t0, status, error):
     return m.finish(status, error)
 
 
-def _fingerprint(gpus: bool) -> dict[str, Any]:
-    try:
-        from mleng.machine.fingerprint import collect
-    except ImportError:
-        return {}
-    try:
-        return collect(gpus=gpus)
-    except Exception as exc:  # a fingerprint problem must not cost the measurement
-        return {"error": f"fingerprint failed: {exc}"}

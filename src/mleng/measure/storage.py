@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable
 from mleng.errors import MlengError, UsageError
 from mleng.measure import fio_engine
 from mleng.measure.sizes import format_bytes
+from mleng.machine.fingerprint import collect_for_record
 
 WORKLOADS = ("ckpt-save", "ckpt-load", "rand-read-4k", "rand-read-1m", "metadata")
 ENGINES = ("auto", "fio", "native")
@@ -600,7 +601,7 @@ def run_io(path: str | os.PathLike, *, size_bytes: int, jobs: int = 4, duration_
     params = {"path": str(target.resolve()), **plan.to_dict(), "workloads": workloads, "engine": engine,
               "fio_version": fio_engine.fio_version() if engine == "fio" else None,
               "baseline": str(baseline_dir) if baseline_dir else None}
-    m = Measurement.start("storage", params, machine=_fingerprint())
+    m = Measurement.start("storage", params, machine=collect_for_record(gpus=False))
     rows: list[dict[str, Any]] = []
     targets: dict[str, Any] = {}
     try:
@@ -627,14 +628,4 @@ def _finish(m, rows, targets, status, error):
     m.summary["targets"] = targets
     return m.finish(status, error)
 
-
-def _fingerprint() -> dict[str, Any]:
-    try:
-        from mleng.machine.fingerprint import collect
-    except ImportError:
-        return {}
-    try:
-        return collect(gpus=False)
-    except Exception as exc:
-        return {"error": f"fingerprint failed: {exc}"}
 
