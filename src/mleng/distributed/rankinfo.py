@@ -81,6 +81,8 @@ def describe_rank(launch: Launch, device: str) -> dict:
         "pid": os.getpid(), "launch": launch.mode, "device": device,
         "cpu_affinity": compact_cpus(cpus), "numa_nodes": numa_nodes_of(cpus),
     }
+    if os.environ.get("SLURMD_NODENAME"):  # the name scontrol knows the node by; can differ from the host name
+        info["slurm_node"] = os.environ["SLURMD_NODENAME"]
     if device.startswith("cuda"):
         try:
             info.update(_gpu_fields(device))

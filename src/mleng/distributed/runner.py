@@ -32,6 +32,11 @@ def run_as_ranks(command: str, argv: list[str], nproc: int | None, timeout_s: fl
     Under torchrun, srun or RANK/WORLD_SIZE: run rank_body as this one rank."""
     launch = detect()
     if launch is None:
+        from mleng.slurm.allocation import relaunch  # inside salloc/sbatch: srun over every node instead
+
+        code = relaunch(command, argv, nproc)
+        if code is not None:
+            return code
         nproc = nproc or default_nproc()
         if nproc < 1:
             raise UsageError(f"--nproc {nproc} must be at least 1")
