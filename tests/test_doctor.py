@@ -149,6 +149,15 @@ def test_measurement_bands():
     assert checks.check_membw({"value": 4300.0, "theoretical": 4800.0, "unit": "GB/s"}).severity == "ok"
 
 
+def test_matmul_cut_short_by_its_budget_warns_instead_of_failing():
+    # Seen on the lent H200: `doctor --quick` with an 8 s mamf budget reached 452 TFLOPS (46%).
+    summary = {"value": 452.4, "theoretical": 989.0, "dtype": "bfloat16", "stop_reason": "time budget",
+               "shapes_tried": 40}
+    finding = checks.check_matmul(summary, "nvidia")
+    assert finding.severity == "warn" and "time budget" in finding.summary
+    assert checks.check_matmul({**summary, "stop_reason": "converged"}, "nvidia").severity == "fail"
+
+
 def test_disk_check_on_a_real_directory(tmp_path):
     findings = checks.check_disk(str(tmp_path))
     assert findings[0].check == "checkpoint_disk" and findings[0].measured["total_bytes"] > 0

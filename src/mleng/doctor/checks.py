@@ -247,7 +247,8 @@ def check_numa_affinity(fp: dict[str, Any]) -> list[Finding]:
             findings.append(inconclusive("numa_affinity", f"{subject}: CPU affinity of the GPU unknown", subject=subject))
             continue
         overlap = len(process_cpus & gpu_cpus) / len(process_cpus)
-        text = (f"{subject} is local to CPUs {d.get('cpu_affinity')} (NUMA node {d.get('numa_node')}); "
+        numa = d.get("numa_node") if d.get("numa_node") is not None else "unknown"
+        text = (f"{subject} is local to CPUs {d.get('cpu_affinity')} (NUMA node {numa}); "
                 f"this process may run on {fp['process']['cpu_affinity']}")
         if overlap == 0:
             findings.append(warn("numa_affinity", text + ": none of them local to the GPU", subject=subject,
@@ -407,9 +408,15 @@ def judge_ratio(check: str, what: str, value: float | None, theoretical: float |
 
 def check_matmul(summary: dict[str, Any], vendor: str | None) -> Finding:
     bands = MATMUL_BANDS.get((vendor or "").lower(), MATMUL_BANDS["default"])
-    return judge_ratio("matmul", f"matmul ({summary.get('dtype', '?')})", summary.get("value"),
-                       summary.get("theoretical"), "TFLOPS", bands, ["low-matmul-tflops", "gpu-clock-throttling"],
-                       no_reference="no datasheet peak for this device (a CPU has none in the specs)")
+    finding = judge_ratio("matmul", f"matmul ({summary.get('dtype', '?')})", summary.get("value"),
+                          summary.get("theoretical"), "TFLOPS", bands, ["low-matmul-tflops", "gpu-clock-throttling"],
+                          no_reference="no datasheet peak for this device (a CPU has none in the specs)")
+    if finding.severity == "fail" and summary.get("stop_reason") == "time budget":
+        # A search cut short by its budget has not found the fast shapes yet: a lead, not a verdict.
+        finding.severity = "warn"
+        finding.summary += (f"; the search stopped at its time budget after {summary.get('shapes_tried')} shapes: "
+                            "run `mleng mamf` for the full search before concluding")
+    return finding
 
 
 def check_busbw(summary: dict[str, Any]) -> Finding:

@@ -18,7 +18,8 @@ TIERS = ("quick", "default", "full")
 
 def _measurement_plan(tier: str, has_gpu: bool, checkpoint_dir: str) -> list[tuple[str, list[str], float]]:
     """(name, mleng argv, timeout_s) per quick measurement; sizes grow with the tier."""
-    mamf_seconds = {"quick": 8, "default": 20, "full": 60}[tier]
+    # On a GPU the budget counts CUDA start-up too: below ~20 s the search barely leaves its coarse sweep.
+    mamf_seconds = {"quick": 20 if has_gpu else 8, "default": 30 if has_gpu else 20, "full": 60}[tier]
     mamf = ["mamf", "--max-seconds", str(mamf_seconds)]
     if not has_gpu:
         mamf += ["--device", "cpu", "--max-dim", "1024" if tier != "full" else "2048"]
@@ -84,6 +85,9 @@ def judge_measurement(name: str, outcome: dict[str, Any], fp: dict[str, Any], ch
         summary.setdefault("dtype", (record.get("params") or {}).get("dtype"))
         return [checks.check_matmul(summary, _vendor(fp))]
     if name == "collective":
+        if (record.get("params") or {}).get("world_size") == 1:
+            return [inconclusive("busbw", "one rank only: a collective crosses no link (one GPU on this node)",
+                                 measured=summary.get("value"))]
         return [checks.check_busbw(summary)]
     if name == "membw":
         return [checks.check_membw(summary)]
