@@ -4,7 +4,7 @@ import pytest
 
 from mleng.distributed.group import first_line
 from mleng.distributed.launch import SLURM_PORT_BASE, detect, expand_nodelist
-from mleng.distributed.rankinfo import compact_cpus, parse_cpulist
+from mleng.machine.system import format_cpulist, parse_cpulist
 from mleng.distributed.runner import strip_nproc
 from mleng.errors import UsageError
 
@@ -82,8 +82,8 @@ def test_strip_nproc():
 
 
 def test_cpu_lists_round_trip():
-    assert compact_cpus({0, 1, 2, 3, 8, 10, 11}) == "0-3,8,10-11"
-    assert parse_cpulist("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
+    assert format_cpulist({0, 1, 2, 3, 8, 10, 11}) == "0-3,8,10-11"
+    assert parse_cpulist("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
 
 
 def test_first_line_drops_source_location_and_stack():

@@ -7,33 +7,7 @@ import os
 import socket
 
 from mleng.distributed.launch import Launch
-
-
-def compact_cpus(cpus) -> str:
-    """{0,1,2,3,8} -> "0-3,8", the form taskset and /sys use."""
-    ordered = sorted(cpus)
-    parts, start, prev = [], None, None
-    for cpu in ordered:
-        if start is None:
-            start = prev = cpu
-        elif cpu == prev + 1:
-            prev = cpu
-        else:
-            parts.append(f"{start}-{prev}" if prev != start else str(start))
-            start = prev = cpu
-    if start is not None:
-        parts.append(f"{start}-{prev}" if prev != start else str(start))
-    return ",".join(parts)
-
-
-def parse_cpulist(text: str) -> set[int]:
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        low, _, high = part.partition("-")
-        cpus.update(range(int(low), int(high or low) + 1))
-    return cpus
+from mleng.machine.system import format_cpulist, parse_cpulist
 
 
 def numa_nodes_of(cpus: set[int]) -> list[int]:
@@ -43,7 +17,7 @@ def numa_nodes_of(cpus: set[int]) -> list[int]:
         node = int(path.split("/node")[-1].split("/")[0])
         try:
             with open(path) as f:
-                if parse_cpulist(f.read()) & cpus:
+                if set(parse_cpulist(f.read())) & cpus:
                     nodes.append(node)
         except (OSError, ValueError):
             continue
@@ -79,7 +53,7 @@ def describe_rank(launch: Launch, device: str) -> dict:
     info = {
         "rank": launch.rank, "local_rank": launch.local_rank, "host": socket.gethostname(),
         "pid": os.getpid(), "launch": launch.mode, "device": device,
-        "cpu_affinity": compact_cpus(cpus), "numa_nodes": numa_nodes_of(cpus),
+        "cpu_affinity": format_cpulist(cpus), "numa_nodes": numa_nodes_of(cpus),
     }
     if os.environ.get("SLURMD_NODENAME"):  # the name scontrol knows the node by; can differ from the host name
         info["slurm_node"] = os.environ["SLURMD_NODENAME"]

@@ -346,25 +346,19 @@ def native_metadata(workspace: Workspace, files: int, jobs: int, duration_s: flo
             created[index].append(path)
         return latencies
 
-    def stat(index: int, stop: threading.Event) -> list[float]:
-        latencies = []
-        for path in created[index]:
-            if stop.is_set():
-                raise _Stopped()
-            t = time.perf_counter()
-            os.stat(path)
-            latencies.append(time.perf_counter() - t)
-        return latencies
+    def over_created(operation: Callable[[str], Any]) -> Callable[[int, threading.Event], list[float]]:
+        def each(index: int, stop: threading.Event) -> list[float]:
+            latencies = []
+            for path in created[index]:
+                if stop.is_set():
+                    raise _Stopped()
+                t = time.perf_counter()
+                operation(path)
+                latencies.append(time.perf_counter() - t)
+            return latencies
+        return each
 
-    def delete(index: int, stop: threading.Event) -> list[float]:
-        latencies = []
-        for path in created[index]:
-            if stop.is_set():
-                raise _Stopped()
-            t = time.perf_counter()
-            os.unlink(path)
-            latencies.append(time.perf_counter() - t)
-        return latencies
+    stat, delete = over_created(os.stat), over_created(os.unlink)
 
     out = {}
     for phase, fn in (("create", create), ("stat", stat), ("delete", delete)):
