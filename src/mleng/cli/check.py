@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mleng.errors import CheckFailed, MlengError, UsageError
+from mleng.errors import CheckFailed, UsageError
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -56,46 +56,36 @@ def run_rank(args: argparse.Namespace, launch, pair_bytes: int) -> int:
     job = None
     rows: list[dict] = []
     pairs: dict | None = None
-    status, error = "complete", None
     stop = StopSignals().__enter__()
     try:
-        backend, kind = choose_backend(args.backend)
-        device = pick_device(launch, kind)
-        job = join(launch, backend, device, args.timeout, info=describe_rank(launch, device), params=params)
-        mine = {}
-        mine.update(connectivity.verify_all_reduce(job))
-        mine.update(connectivity.barrier(job))
-        mine.update(connectivity.allocation(job, args.alloc_gib))
-        if args.pairs:
-            members = connectivity.pair_ranks(job, args.pairs)
-            if len(members) < 2:
-                what = "host" if args.pairs == "nodes" else "rank"
-                pairs = {"mode": args.pairs, "members": members, "size_bytes": pair_bytes,
-                         "skipped": f"--pairs {args.pairs} needs at least 2 {what}s; this job has 1"}
-            else:
-                matrix = connectivity.pair_bandwidth(job, members, pair_bytes, args.pair_iters, warmup=3)
-                median, slow = connectivity.flag_outliers(matrix, args.outlier_ratio)
-                hosts = [r["host"] for r in job.ranks]
-                pairs = {"mode": args.pairs, "members": members, "size_bytes": pair_bytes,
-                         "matrix_gbps": matrix, "median_gbps": median,
-                         "slow": [[members[i], members[j]] for i, j in slow],
-                         "suspects": connectivity.suspects(slow, members, hosts)}
-        reports = gather_to_rank0(job, "report", mine)
-        if is_root:
-            rows = [{**_public(job.ranks[r]), **reports[r]} for r in range(job.world_size)]
-    except KeyboardInterrupt:
-        status, error = "interrupted", "interrupted (Ctrl-C)"
-        raise
-    except MlengError as exc:
-        # a peer that went down on the same Ctrl-C makes our collective fail: still an interruption
-        status, error = ("interrupted", f"interrupted ({stop.received}): {exc.message}") if stop.received \
-            else ("failed", exc.message)
-        if stop.received:
-            raise KeyboardInterrupt from None
-        raise
+        with stop.outcome("interrupted (Ctrl-C)"):
+            backend, kind = choose_backend(args.backend)
+            device = pick_device(launch, kind)
+            job = join(launch, backend, device, args.timeout, info=describe_rank(launch, device), params=params)
+            mine = {}
+            mine.update(connectivity.verify_all_reduce(job))
+            mine.update(connectivity.barrier(job))
+            mine.update(connectivity.allocation(job, args.alloc_gib))
+            if args.pairs:
+                members = connectivity.pair_ranks(job, args.pairs)
+                if len(members) < 2:
+                    what = "host" if args.pairs == "nodes" else "rank"
+                    pairs = {"mode": args.pairs, "members": members, "size_bytes": pair_bytes,
+                             "skipped": f"--pairs {args.pairs} needs at least 2 {what}s; this job has 1"}
+                else:
+                    matrix = connectivity.pair_bandwidth(job, members, pair_bytes, args.pair_iters, warmup=3)
+                    median, slow = connectivity.flag_outliers(matrix, args.outlier_ratio)
+                    hosts = [r["host"] for r in job.ranks]
+                    pairs = {"mode": args.pairs, "members": members, "size_bytes": pair_bytes,
+                             "matrix_gbps": matrix, "median_gbps": median,
+                             "slow": [[members[i], members[j]] for i, j in slow],
+                             "suspects": connectivity.suspects(slow, members, hosts)}
+            reports = gather_to_rank0(job, "report", mine)
+            if is_root:
+                rows = [{**_public(job.ranks[r]), **reports[r]} for r in range(job.world_size)]
     finally:
         if is_root:  # stored before teardown, which can hang when a peer is gone
-            _finish(record, job, rows, pairs, args, status, error)
+            _finish(record, job, rows, pairs, args, stop.status, stop.error)
         leave(job, launch.rank)
         stop.__exit__()
     if not is_root:

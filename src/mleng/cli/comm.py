@@ -86,40 +86,30 @@ def run_rank(args: argparse.Namespace, launch, settings) -> int:
     record = Measurement.start("collective", params) if is_root else None
     rows: list[dict] = []
     job = None
-    status, error = "complete", None
     stop = StopSignals().__enter__()
     try:
-        job = join(launch, backend, device, args.timeout, info=describe_rank(launch, device), params=params)
-        asked_all = any("all" in [o.strip().lower() for o in item.split(",")] for item in (args.op or []))
-        if asked_all and job.world_size < 2 and "send_recv" in settings.ops:
-            # `--op all` on one rank means the ops one rank can run; naming send_recv alone is still an error
-            settings = dataclasses.replace(settings, ops=[o for o in settings.ops if o != "send_recv"])
+        with stop.outcome("interrupted (Ctrl-C); rows measured so far are kept"):
+            job = join(launch, backend, device, args.timeout, info=describe_rank(launch, device), params=params)
+            asked_all = any("all" in [o.strip().lower() for o in item.split(",")] for item in (args.op or []))
+            if asked_all and job.world_size < 2 and "send_recv" in settings.ops:
+                # `--op all` on one rank means the ops one rank can run; naming send_recv alone is still an error
+                settings = dataclasses.replace(settings, ops=[o for o in settings.ops if o != "send_recv"])
+                if is_root:
+                    record.params["ops"] = settings.ops
+                    record.params["skipped_ops"] = {"send_recv": "needs at least 2 ranks"}
             if is_root:
-                record.params["ops"] = settings.ops
-                record.params["skipped_ops"] = {"send_recv": "needs at least 2 ranks"}
-        if is_root:
-            record.params["world_size"] = launch.world_size
-            record.params["launch"] = launch.mode
-            if not args.json:
-                print(_header(job, settings), flush=True)
-        printer = _RowPrinter(job.world_size) if is_root and not args.json else None
-        for row in collectives.sweep(job, settings):
-            rows.append(row)  # kept before it is shown: a row on screen is a row in the record
-            if printer:
-                printer.row(row)
-    except KeyboardInterrupt:
-        status, error = "interrupted", "interrupted (Ctrl-C); rows measured so far are kept"
-        raise
-    except MlengError as exc:
-        # a peer that went down on the same Ctrl-C makes our collective fail: still an interruption
-        status, error = ("interrupted", f"interrupted ({stop.received}): {exc.message}") if stop.received \
-            else ("failed", exc.message)
-        if stop.received:
-            raise KeyboardInterrupt from None
-        raise
+                record.params["world_size"] = launch.world_size
+                record.params["launch"] = launch.mode
+                if not args.json:
+                    print(_header(job, settings), flush=True)
+            printer = _RowPrinter(job.world_size) if is_root and not args.json else None
+            for row in collectives.sweep(job, settings):
+                rows.append(row)  # kept before it is shown: a row on screen is a row in the record
+                if printer:
+                    printer.row(row)
     finally:
         if is_root:  # stored before teardown, which can hang when a peer is gone
-            _finish(record, rows, job, settings, backend, args, status, error)
+            _finish(record, rows, job, settings, backend, args, stop.status, stop.error)
         leave(job, launch.rank)
         stop.__exit__()
     if not is_root:

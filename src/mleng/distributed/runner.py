@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import sys
 from typing import Callable
 
@@ -78,6 +80,23 @@ class StopSignals:
     def __init__(self):
         self.received: str | None = None
         self._previous: dict = {}
+        self.status, self.error = "complete", None
+
+    @contextlib.contextmanager
+    def outcome(self, interrupted_message: str):
+        """Set status/error from how the body ends; the exception goes on to the caller."""
+        try:
+            yield self
+        except KeyboardInterrupt:
+            self.status, self.error = "interrupted", interrupted_message
+            raise
+        except MlengError as exc:
+            # a peer that went down on the same Ctrl-C makes our collective fail: still an interruption
+            if self.received:
+                self.status, self.error = "interrupted", f"interrupted ({self.received}): {exc.message}"
+                raise KeyboardInterrupt from None
+            self.status, self.error = "failed", exc.message
+            raise
 
     def _handler(self, signum, frame):
         import signal
