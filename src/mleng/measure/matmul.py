@@ -1009,10 +1009,8 @@ def theoretical_tflops(device, name: str, dtype: str, tf32: bool) -> tuple[float
     """The datasheet dense rate for this card and dtype from mleng.specs, or None with the reason."""
     if device.type == "cpu":
         return None, "no theoretical peak is kept for CPUs"
-    try:
-        from mleng.specs import lookup_accelerator
-    except ImportError:
-        return None, "mleng.specs is not available"
+    from mleng.specs import lookup_accelerator
+
     try:
         accelerator = lookup_accelerator(name)
     except MlengError as exc:

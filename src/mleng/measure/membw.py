@@ -47,10 +47,8 @@ def round_size(size_bytes: int) -> int:
 
 def hbm_theoretical_gbps(device_name: str) -> tuple[float | None, str | None]:
     """The datasheet memory bandwidth of a GPU in GB/s, or None and why not."""
-    try:
-        from mleng.specs import lookup_accelerator
-    except ImportError:
-        return None, "mleng.specs is not available in this installation"
+    from mleng.specs import lookup_accelerator
+
     try:
         accelerator = lookup_accelerator(device_name)
     except MlengError as exc:
@@ -65,10 +63,8 @@ def pcie_theoretical_gbps(gen: int | None, width: int | None) -> tuple[float | N
     """One direction of a PCIe link in GB/s from mleng.specs, or None and why not."""
     if not gen or not width:
         return None, "the PCIe generation and width could not be read (NVML)"
-    try:
-        from mleng.specs import pcie_link_gbps
-    except ImportError:
-        return None, "mleng.specs has no pcie_link_gbps in this installation"
+    from mleng.specs import pcie_link_gbps
+
     try:
         return float(pcie_link_gbps(int(gen), int(width))), f"mleng.specs pcie_link_gbps(gen={gen}, width={width})"
     except MlengError as exc:
@@ -341,10 +337,8 @@ def _gpu_monitor(dev):
     """An NVML sampler on the same card torch uses (matched by UUID), or None without NVML."""
     import torch
 
-    try:
-        from mleng.measure.gpu_monitor import GpuMonitor
-    except ImportError:
-        return None
+    from mleng.measure.gpu_monitor import GpuMonitor
+
     uuid = str(getattr(torch.cuda.get_device_properties(dev), "uuid", "") or "")
     monitor = GpuMonitor(uuid=f"GPU-{uuid}" if uuid and not uuid.startswith("GPU-") else uuid or None,
                          index=dev.index)
