@@ -33,7 +33,7 @@ INODE_FAIL_FRACTION = 0.02
 CHECKPOINT_WRITE_WARN_GBPS = 0.2
 
 
-def _devices(fp: dict[str, Any]) -> list[dict[str, Any]]:
+def gpu_devices(fp: dict[str, Any]) -> list[dict[str, Any]]:
     gpus = fp.get("gpus") or {}
     return [d for d in gpus.get("devices") or [] if "error" not in d] if gpus.get("available") else []
 
@@ -63,7 +63,7 @@ def check_gpu_count(fp: dict[str, Any], expect_gpus: int | None = None) -> list[
     if expect_gpus is None:
         expect_gpus, source = expected_gpu_count(env)
     gpus = fp.get("gpus") or {}
-    found = len(_devices(fp))
+    found = len(gpu_devices(fp))
     lost = [d for d in gpus.get("devices") or [] if "error" in d]
     if lost:
         return [fail("gpu_count", f"{len(lost)} GPU(s) present but unreadable: "
@@ -91,7 +91,7 @@ def check_clocks(fp: dict[str, Any], load_samples: dict[int, dict[str, Any]] | N
     ({"sm_clock_mean_mhz", "sm_clock_max_mhz", "throttle_reasons"}); without it the fingerprint's
     own sample is judged only where the GPU was busy when it was taken.
     """
-    devices = _devices(fp)
+    devices = gpu_devices(fp)
     if not devices:
         return [_no_gpu("sm_clock", fp)]
     findings = []
@@ -141,7 +141,7 @@ def check_clocks(fp: dict[str, Any], load_samples: dict[int, dict[str, Any]] | N
 
 
 def check_ecc(fp: dict[str, Any]) -> list[Finding]:
-    devices = _devices(fp)
+    devices = gpu_devices(fp)
     if not devices:
         return [_no_gpu("ecc", fp)]
     findings = []
@@ -181,7 +181,7 @@ def check_ecc(fp: dict[str, Any]) -> list[Finding]:
 
 
 def check_pcie(fp: dict[str, Any]) -> list[Finding]:
-    devices = _devices(fp)
+    devices = gpu_devices(fp)
     if not devices:
         return [_no_gpu("pcie_link", fp)]
     findings = []
@@ -208,7 +208,7 @@ def check_pcie(fp: dict[str, Any]) -> list[Finding]:
 
 
 def check_nvlink(fp: dict[str, Any]) -> list[Finding]:
-    devices = _devices(fp)
+    devices = gpu_devices(fp)
     if not devices:
         return [_no_gpu("nvlink", fp)]
     findings = []
@@ -231,7 +231,7 @@ def check_nvlink(fp: dict[str, Any]) -> list[Finding]:
 
 
 def check_numa_affinity(fp: dict[str, Any]) -> list[Finding]:
-    devices = _devices(fp)
+    devices = gpu_devices(fp)
     if not devices:
         return [_no_gpu("numa_affinity", fp)]
     process_cpus = set(parse_cpulist((fp.get("process") or {}).get("cpu_affinity") or ""))

@@ -67,7 +67,7 @@ def _load_samples(record: dict[str, Any]) -> dict[int, dict[str, Any]]:
 
 
 def _vendor(fp: dict[str, Any]) -> str | None:
-    devices = checks._devices(fp)
+    devices = checks.gpu_devices(fp)
     if not devices:
         return None
     name = str(devices[0].get("name", "")).lower()
@@ -113,7 +113,7 @@ def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint
     findings: list[Finding] = []
     measurements: dict[str, str] = {}
     load_samples: dict[int, dict[str, Any]] = {}
-    has_gpu = bool(checks._devices(fingerprint))
+    has_gpu = bool(checks.gpu_devices(fingerprint))
     interrupted = False
     try:
         if measure:
