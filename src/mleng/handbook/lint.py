@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from mleng.handbook.model import (CATEGORIES, OPTIONAL_KEYS, REQUIRED_KEYS, SECTIONS, EntryError,
+from mleng.handbook.model import (CATEGORIES, OPTIONAL_KEYS, REQUIRED_KEYS, SECTIONS, VERIFIED_KEYS, EntryError,
                                   default_entries_dir, entry_files, split_front_matter, split_sections)
 
 ID_RE = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
@@ -186,6 +186,9 @@ def lint_file(path: Path, repo_root: Path | None) -> tuple[str | None, list[str]
         if key in meta and not _is_string_list(meta[key]):
             add(key, "must be a list of non-empty strings")
 
+    if "verified" in meta:
+        _check_verified(meta["verified"], add)
+
     if meta.get("reproduction") is not None:
         _check_reproduction(meta["reproduction"], repo_root, add)
 
@@ -202,6 +205,28 @@ def lint_file(path: Path, repo_root: Path | None) -> tuple[str | None, list[str]
     if positions != sorted(positions):
         add("body", "sections are out of order; use " + ", ".join(f"'## {s}'" for s in SECTIONS))
     return entry_id, [r for r in related if isinstance(r, str)], problems
+
+
+_DATE_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def _check_verified(value, add) -> None:
+    if not isinstance(value, list) or not value:
+        add("verified", "must be a list of at least one mapping (claim, against, date)")
+        return
+    for number, item in enumerate(value, start=1):
+        if not isinstance(item, dict):
+            add("verified", f"item {number} must be a mapping with {', '.join(VERIFIED_KEYS)}")
+            continue
+        unknown = sorted(set(map(str, item)) - set(VERIFIED_KEYS))
+        if unknown:
+            add("verified", f"item {number} has unknown key {unknown[0]!r}; use {', '.join(VERIFIED_KEYS)}")
+        for key in ("claim", "against"):
+            if not isinstance(item.get(key), str) or not item[key].strip():
+                add("verified", f"item {number}: {key!r} must be a non-empty string (what was checked, and the "
+                                "source file or docs page with its version)")
+        if not _DATE_RE.fullmatch(str(item.get("date", ""))):
+            add("verified", f"item {number}: 'date' must be the day it was checked, YYYY-MM-DD")
 
 
 def _check_reproduction(value, repo_root: Path | None, add) -> None:

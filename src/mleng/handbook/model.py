@@ -9,9 +9,14 @@ from pathlib import Path
 
 REQUIRED_KEYS = ("id", "title", "category", "symptoms", "signatures", "applies_to",
                  "cause", "confirm", "fix", "sources")
-OPTIONAL_KEYS = ("related", "reproduction", "error_codes", "tags")
+OPTIONAL_KEYS = ("related", "reproduction", "error_codes", "tags", "verified")
 CATEGORIES = ("nccl-hang", "nccl-network", "network-config", "pcie-p2p", "cuda-error", "gpu-memory",
-              "gpu-hardware", "launch", "slurm", "storage", "numerics", "dataloader", "performance")
+              "gpu-hardware", "launch", "slurm", "kubernetes", "host-cpu", "storage", "checkpoint",
+              "numerics", "amp", "dataloader", "performance", "compile", "attention", "hf-accelerate",
+              "deepspeed", "fsdp", "lightning")
+# What a `verified` item records: the claim checked, the source or docs (with version) it was checked
+# against, and the day.
+VERIFIED_KEYS = ("claim", "against", "date")
 SECTIONS = ("What you see", "Why", "Confirm", "Fix")
 LIST_KEYS = ("symptoms", "signatures", "confirm", "fix", "sources", "related", "error_codes", "tags")
 
@@ -44,6 +49,7 @@ class Entry:
     reproduction: str | None = None
     error_codes: list[str] = field(default_factory=list)
     tags: list[str] = field(default_factory=list)
+    verified: list[dict] = field(default_factory=list)
     sections: dict[str, str] = field(default_factory=dict)
     path: str = ""
 
@@ -117,6 +123,13 @@ def _string_list(meta: dict, key: str, file: str) -> list[str]:
     return value
 
 
+def _verified(meta: dict, file: str) -> list[dict]:
+    value = meta.get("verified") or []
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise EntryError(file, "verified", "must be a list of mappings with " + ", ".join(VERIFIED_KEYS))
+    return [{k: str(item.get(k, "")) for k in VERIFIED_KEYS} for item in value]
+
+
 def entry_from_meta(meta: dict, body: str, file: str) -> Entry:
     """An Entry from parsed front matter, checking only what search and triage rely on."""
     missing = [k for k in REQUIRED_KEYS if k not in meta]
@@ -143,7 +156,7 @@ def entry_from_meta(meta: dict, body: str, file: str) -> Entry:
         applies_to={str(k): str(v) for k, v in applies_to.items()},
         cause=meta["cause"].strip(), confirm=lists["confirm"], fix=lists["fix"], sources=lists["sources"],
         related=lists["related"], reproduction=reproduction, error_codes=lists["error_codes"],
-        tags=lists["tags"], sections=split_sections(body), path=file,
+        tags=lists["tags"], verified=_verified(meta, file), sections=split_sections(body), path=file,
     )
 
 
