@@ -70,7 +70,7 @@ def test_compare_json(tmp_path):
 
 @pytest.mark.parametrize("args,expected", [
     (("show", "h300"), "unknown accelerator or link 'h300'; closest: h200-sxm"),
-    (("compare", "h100", "h300"), "unknown accelerator 'h300'; closest: h200-sxm"),
+    (("compare", "h100", "h300"), "unknown accelerator or link 'h300'; closest: h200-sxm"),
     (("compare", "h100"), "at least two"),
     (("compare", "h100", "NVIDIA H100 80GB HBM3"), "same entry"),
     (("list", "--vendor", "acme"), "no vendor 'acme'; known: AMD, AWS, Google, Intel, NVIDIA"),

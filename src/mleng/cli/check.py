@@ -36,6 +36,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--alloc-gib cannot be negative")
     if args.pair_iters < 1:
         raise UsageError("--pair-iters must be at least 1")
+    if args.nproc is not None and args.nproc < 1:
+        raise UsageError(f"--nproc {args.nproc}: give at least 1 rank")
+    if not 0 <= args.outlier_ratio < 1:
+        raise UsageError(f"--outlier-ratio {args.outlier_ratio:g}: give a fraction of the median from 0 up to "
+                         "(not including) 1", hint="0.7 flags pairs below 70% of the median; 0 flags none")
     pair_bytes = parse_bytes(args.pair_bytes)
     return run_as_ranks("check", args._argv, args.nproc, args.timeout,
                         lambda launch: run_rank(args, launch, pair_bytes))

@@ -53,12 +53,76 @@ def settings_from(args: argparse.Namespace):
         raise UsageError("--warmup cannot be negative")
     if args.timeout <= 0:
         raise UsageError("--timeout must be positive")
-    if args.plot and not args.plot.lower().endswith(".png"):
-        raise UsageError(f"--plot {args.plot!r}: give a .png file name")
+    if args.nproc is not None and args.nproc < 1:
+        raise UsageError(f"--nproc {args.nproc}: give at least 1 rank")
+    for flag, value in (("--min-busbw", args.min_busbw), ("--reference-gbps", args.reference_gbps)):
+        if value is not None and value <= 0:
+            raise UsageError(f"{flag} {value:g}: a bandwidth must be positive (GB/s)")
+    if args.factor <= 1:
+        raise UsageError(f"-f/--factor {args.factor:g}: sizes must grow, give a factor above 1 (2 doubles)")
+    if args.plot is not None:
+        from mleng.cli.common import check_output_path
+        from mleng.measure.collectives import pyplot
+
+        check_output_path(args.plot, "--plot", (".png",))
+        pyplot()  # a missing matplotlib is said now, not after the sweep
+    sizes = size_sweep(parse_bytes(args.min_bytes), parse_bytes(max_text), args.factor)
+    check_memory(max(sizes), max_text, args.backend, args.nproc)
     return Settings(ops=op_names(args.op or ["all_reduce"]),
-                    sizes=size_sweep(parse_bytes(args.min_bytes), parse_bytes(max_text), args.factor),
+                    sizes=sizes,
                     dtype=dtype_name(args.dtype), iters=args.iters, warmup=args.warmup, repeats=args.repeats,
                     blocking=args.blocking, check=args.check, cuda_graph=not args.no_cuda_graph)
+
+
+def ranks_on_this_host(nproc: int | None) -> int:
+    from mleng.distributed.launch import default_nproc, detect
+
+    launch = detect()
+    if launch is None:
+        return nproc or default_nproc()
+    return launch.local_world_size or 1
+
+
+def check_memory(max_bytes: int, max_text: str, backend: str | None, nproc: int | None) -> None:
+    """Each rank holds an input and an output buffer of the largest size: checked against free memory
+    before any rank starts, instead of an allocator error on every rank."""
+    from mleng.distributed.launch import visible_gpu_count
+    from mleng.measure.collectives import format_bytes
+    from mleng.measure.membw import HOST_MARGIN_BYTES, host_available_bytes
+
+    per_rank = 2 * max_bytes
+    on_gpu = visible_gpu_count() and backend != "gloo"
+    if on_gpu:
+        free = _gpu_free_bytes()
+        if free is not None and per_rank > free:
+            raise UsageError(f"-e {max_text}: each rank needs {format_bytes(per_rank)} (input + output buffers), "
+                             f"and a GPU here has {format_bytes(free)} free",
+                             hint=f"pass -e {max(free // 2 // 2**20, 1)}M or less")
+        return
+    ranks = ranks_on_this_host(nproc)
+    available = host_available_bytes()
+    needed = ranks * per_rank + HOST_MARGIN_BYTES
+    if available is not None and needed > available:
+        fits = max((available - HOST_MARGIN_BYTES) // (2 * ranks), 0)
+        raise UsageError(f"-e {max_text}: {ranks} rank(s) x {format_bytes(per_rank)} (input + output buffers) need "
+                         f"{format_bytes(needed)}, the host has {format_bytes(available)} available",
+                         hint=f"pass -e {fits // 2**20}M or less, or fewer ranks (--nproc)"
+                         if fits >= 2**20 else "free host memory first")
+
+
+def _gpu_free_bytes() -> int | None:
+    """The least free memory of this host's GPUs, through NVML (no CUDA context in the launcher)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return min(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free
+                       for i in range(pynvml.nvmlDeviceGetCount()))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML here: the ranks' own allocation errors remain
+        return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,7 +167,12 @@ def run_rank(args: argparse.Namespace, launch, settings) -> int:
                 if not args.json:
                     print(_header(job, settings), flush=True)
             printer = _RowPrinter(job.world_size) if is_root and not args.json else None
+            if is_root:  # rates physics does not allow are errors as soon as they are measured
+                early_reference, _ = collectives.reference_rate(backend, job.ranks, None, args.reference_gbps)
+                ceiling = collectives.fastest_link_gbps()
             for row in collectives.sweep(job, settings):
+                if is_root:
+                    collectives.reject_impossible([row], early_reference, ceiling)
                 rows.append(row)  # kept before it is shown: a row on screen is a row in the record
                 if printer:
                     printer.row(row)
@@ -126,6 +195,7 @@ def _finish(record, rows, job, settings, backend, args, status, error) -> None:
     record.machine["ranks"] = ranks
     record.rows = rows
     reference, note = collectives.reference_rate(backend, ranks, record.machine, args.reference_gbps)
+    collectives.reject_impossible(rows, reference, collectives.fastest_link_gbps())
     record.summary = collectives.summarize(rows, reference, note, args.min_busbw)
     record.summary["timing"] = collectives.timing_note(settings, any(r.get("timing") == "cuda_graph" for r in rows))
     record.finish(status, error)
@@ -153,6 +223,11 @@ def _json(record) -> str:
 
 def _verdict(record, args) -> int:
     summary = record.summary
+    if summary.get("row_errors"):
+        errors = summary["row_errors"]
+        raise CheckFailed(f"{len(errors)} row(s) measured a rate physics does not allow: {'; '.join(errors[:3])}",
+                          hint="the timing is wrong, not the link: run with --no-cuda-graph, more ranks, or "
+                               "--blocking, and report it if it persists")
     if summary.get("wrong"):
         bad = [f"{r['op']} at {r['size_bytes']} B: {r['wrong']}" for r in record.rows if r.get("wrong")]
         raise CheckFailed(f"--check found {summary['wrong']} wrong elements ({'; '.join(bad[:5])})",
@@ -200,6 +275,9 @@ class _RowPrinter:
             factor = OPS[self.op].factor(self.world_size)
             print(f"\n# {self.op}: busbw factor {factor:.4g} at {self.world_size} ranks", flush=True)
             print("".join(name.rjust(width) for name, width, _ in columns), flush=True)
+        if row.get("error"):
+            print(f"{row['size_bytes']:>12}{row.get('count'):>12}{row.get('dtype'):>9}  ERROR: {row['error']}", flush=True)
+            return
         cells = []
         for _, width, key in columns:
             value = row.get(key)

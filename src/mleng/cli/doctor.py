@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fingerprint", metavar="FILE.json",
                         help="diagnose a recorded fingerprint (`mleng env --json` from another node) instead of "
                              "this machine; implies --no-measure")
+    parser.add_argument("--cpus", metavar="LIST",
+                        help="the CPUs the job's rank will be bound to (e.g. 0-55,112-167), for the NUMA check; "
+                             "default: SLURM's --cpu-bind, else the binding this process inherited")
     parser.add_argument("--report", metavar="FILE.html", help="also write a self-contained HTML report")
     parser.add_argument("--no-store", action="store_true", help="do not save the doctor run in the results store")
 
@@ -45,7 +48,9 @@ def _linked_measurements(record) -> list:
     from mleng.results.store import Store
 
     linked = []
-    with Store() as store:
+    with Store(create=False) as store:
+        if not store.exists:
+            return linked
         for measurement_id in (record.summary.get("measurements") or {}).values():
             try:
                 linked.append(store.get(measurement_id))
@@ -57,26 +62,59 @@ def _linked_measurements(record) -> list:
 def run(args: argparse.Namespace) -> int:
     from mleng.doctor.runner import run_doctor
 
+    import os
+
+    from mleng.cli.common import check_output_path, exit_code_for, preflight_store, replacing_note, store_or_warn
+    from mleng.errors import MlengError
+
     tier = "quick" if args.quick else ("full" if args.full else "default")
+    # Everything the user typed is checked before the run, which takes minutes.
+    if args.expect_gpus is not None and args.expect_gpus < 0:
+        raise UsageError(f"--expect-gpus {args.expect_gpus}: a GPU count cannot be negative")
+    if args.checkpoint_dir is not None:
+        if not args.checkpoint_dir.strip():
+            raise UsageError("--checkpoint-dir is empty", hint="give the folder where checkpoints go")
+        if not os.path.exists(args.checkpoint_dir):
+            raise UsageError(f"--checkpoint-dir {args.checkpoint_dir} does not exist",
+                             hint="check the spelling; give the folder the job writes its checkpoints to")
+        if not os.path.isdir(args.checkpoint_dir):
+            raise UsageError(f"--checkpoint-dir {args.checkpoint_dir} is not a folder")
+        if args.fingerprint:
+            raise UsageError("--checkpoint-dir checks this machine's disk; --fingerprint diagnoses another node",
+                             hint="run the doctor on that node for its checkpoint disk")
+    if args.cpus is not None:
+        from mleng.machine.system import parse_cpulist
+
+        try:
+            if not parse_cpulist(args.cpus):
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"--cpus {args.cpus!r} is not a CPU list", hint="write it as the kernel does: 0-55,112-167") from None
+    report = check_output_path(args.report, "--report", (".html", ".htm"))
+    report_note = replacing_note(report)
     fingerprint = _load_fingerprint(args.fingerprint) if args.fingerprint else None
+    preflight_store(args)
     progress = None if args.json else (lambda text: print(f"... {text}", file=sys.stderr, flush=True))
     record = run_doctor(tier=tier, expect_gpus=args.expect_gpus, checkpoint_dir=args.checkpoint_dir,
                         measure=not (args.no_measure or args.fingerprint), fingerprint=fingerprint,
-                        on_step=progress)
-    if not args.no_store:
-        from mleng.results.store import save_measurement
-
-        save_measurement(record)
-    if args.report:
+                        on_step=progress, local=fingerprint is None, cpus=args.cpus)
+    stored = store_or_warn(record, args)
+    if report is not None:
         from mleng.report.html import write_report
 
-        write_report([record] + _linked_measurements(record), args.report, title="mleng doctor report")
+        try:
+            write_report([record] + _linked_measurements(record), str(report), title="mleng doctor report")
+        except (OSError, MlengError) as exc:  # the folder vanished meanwhile: the findings still print
+            report_note = None
+            print(f"mleng doctor: warning: no report written: {exc}", file=sys.stderr)
     if args.json:
         print_json(record.to_dict())
     else:
-        print(render(record))
-        if args.report:
-            print(f"report: {args.report}")
+        print(render(record, stored))
+        if report is not None and report_note is not None:
+            print(f"report: {report}{report_note}")
+    if record.status == "interrupted":
+        return exit_code_for(record)
     return EXIT_PROBLEM if record.summary["verdict"] == "fail" else EXIT_OK
 
 
@@ -109,7 +147,7 @@ def _collapse_per_gpu(rows: list[dict]) -> list[dict]:
     return out
 
 
-def render(record) -> str:
+def render(record, stored: str | None = None) -> str:
     machine = record.machine
     gpus = machine.get("gpus") or {}
     host = (machine.get("host") or {}).get("hostname", "?")
@@ -126,5 +164,5 @@ def render(record) -> str:
     counts = record.summary["counts"]
     lines += ["", f"verdict: {record.summary['verdict'].upper()}  ({counts['fail']} fail, {counts['warn']} warn, "
               f"{counts['ok']} ok, {counts['inconclusive']} inconclusive, {counts['skipped']} not applicable)",
-              f"stored as {record.id} (mleng results show {record.id})"]
+              f"stored as {stored} (mleng results show {stored})" if stored else "not stored"]
     return "\n".join(lines)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
-from mleng.cli.common import store_print_exit
+from mleng.cli.common import preflight_store, store_print_exit
 from mleng.cli.render import table
 
 
@@ -31,15 +30,21 @@ def run(args: argparse.Namespace) -> int:
     from mleng.measure import storage
     from mleng.measure.sizes import format_bytes, parse_size
 
+    from mleng.errors import UsageError
+
+    if not args.path.strip():
+        raise UsageError("PATH is empty", hint="give the directory to measure, e.g. `mleng io /scratch` or `mleng io .`")
     size = parse_size(args.size, "--size")
+    for flag, value in (("--jobs", args.jobs), ("--files", args.files)):
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1 (got {value})")
+    if args.duration <= 0:
+        raise UsageError(f"--duration must be positive (got {args.duration:g})")
     workloads = ([w.strip() for w in args.workloads.split(",") if w.strip()] if args.workloads
                  else list(storage.WORKLOADS))
-
-    def on_term(signum, frame):
-        # A batch system's SIGTERM ends the run like Ctrl-C: files removed, results kept.
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, on_term)
+    storage.check_target(args.path)
+    preflight_store(args)
+    # SIGTERM (a batch system's stop) ends the run like Ctrl-C: files removed, results kept (mleng.signals).
 
     def on_row(row: dict) -> None:
         if not args.json:
@@ -51,12 +56,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"  working in {workspace.dir} (removed at the end)", file=sys.stderr, flush=True)
 
-    try:
-        m = storage.run_io(args.path, size_bytes=size, jobs=args.jobs, duration_s=args.duration,
-                           workloads=workloads, engine=args.engine, baseline=args.baseline,
-                           metadata_files=args.files, on_row=on_row, on_workspace=on_workspace)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    m = storage.run_io(args.path, size_bytes=size, jobs=args.jobs, duration_s=args.duration,
+                       workloads=workloads, engine=args.engine, baseline=args.baseline,
+                       metadata_files=args.files, on_row=on_row, on_workspace=on_workspace)
     return store_print_exit(m, args, lambda record: render(record, format_bytes))
 
 

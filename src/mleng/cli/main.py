@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import warnings
 
 from mleng import __version__
-from mleng.errors import EXIT_PROBLEM, EXIT_USAGE, MlengError
+from mleng.errors import EXIT_OK, EXIT_USAGE, MlengError
 
 # name -> (module, one-line help). Modules are imported only for the command that runs,
 # so `mleng --help` and the light commands never pay for torch or matplotlib.
@@ -85,13 +87,26 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "json"):
         args.json = False
     args._argv = list(argv)  # commands that re-run themselves as N local ranks (comm, check) need it
+    from mleng import signals
+
+    signals.install()
+    # torch warns at import when numpy is absent; mleng never hands torch a numpy array, so it is noise.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     try:
-        return int(module.run(args) or 0)
+        code = int(module.run(args) or 0)
+        sys.stdout.flush()  # inside the try: a closed pipe is reported here, not at interpreter exit
+        return code
     except MlengError as exc:
         print(f"mleng {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print(f"mleng {args.command}: interrupted", file=sys.stderr)
-        return 130
+        print(f"mleng {args.command}: interrupted by {signals.describe()}", file=sys.stderr)
+        return signals.exit_code()
     except BrokenPipeError:
-        return EXIT_PROBLEM
+        # `mleng specs list | head -1`: the reader had enough. Not a problem found; say nothing more.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except OSError:
+            pass
+        return EXIT_OK

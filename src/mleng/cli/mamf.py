@@ -6,10 +6,10 @@ import argparse
 import sys
 import time
 
+from mleng.cli.common import exit_code_for, preflight_store, store_or_warn
 from mleng.cli.render import Progress, print_json, table
 from mleng.errors import NotAvailableError, UsageError
 
-EXIT_INTERRUPTED = 130
 MAX_GRID_SHAPES = 200_000
 
 
@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             raise UsageError(f"--{flag.replace('_', '-')} must be positive (got {value})")
     shapes = shapes_from_args(args)
+    preflight_store(args)  # an unusable store stops us now, not after the whole search
     if args.all_devices:
         return _run_all_devices(args)
     options = MamfOptions(device=args.device, dtype=args.dtype, tf32=args.tf32 == "on",
@@ -128,20 +129,14 @@ def _run_one(options, quiet: bool):
 
 
 def _finish(measurement, args: argparse.Namespace) -> int:
-    stored_id = None
-    if not args.no_store:
-        from mleng.results.store import save_measurement
-
-        stored_id = save_measurement(measurement)
+    stored_id = store_or_warn(measurement, args)
     if args.json:
         print_json(measurement.to_dict())
     else:
         print(render(measurement, top=args.top))
         if stored_id:
             print(f"stored as {stored_id} (mleng results show {stored_id})")
-    if measurement.status == "interrupted":
-        return EXIT_INTERRUPTED
-    return 1 if measurement.status == "failed" else 0
+    return exit_code_for(measurement)
 
 
 def render(measurement, top: int = 10) -> str:
@@ -161,7 +156,8 @@ def render(measurement, top: int = 10) -> str:
         iters_note += f" after {s['final_warmup_s']:g} s of warm-up on the shape"
     fields = [
         ("device", f"{s['device_name']} ({s['device']}), {s['dtype']}"
-                   + (" (TF32 on)" if measurement.params.get("tf32") else "")),
+                   + (" (TF32 on)" if measurement.params.get("tf32") and s.get("dtype") == "float32"
+                      and not str(s.get("device", "")).startswith("cpu") else "")),
         ("best shape", f"{s['best_shape']} (M x N x K)"),
         ("median", f"{_tf(s['tflops_median'])} TFLOPS  (mean {_tf(s['tflops_mean'])}, "
                    f"max {_tf(s['tflops_max'])}; {iters_note})"),

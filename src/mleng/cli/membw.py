@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mleng.cli.common import store_print_exit
+from mleng.cli.common import preflight_store, store_print_exit
 from mleng.cli.render import table
 
 
@@ -34,6 +34,15 @@ def run(args: argparse.Namespace) -> int:
     size = parse_size(args.size, "--size") if args.size else None
     tests = [t.strip() for t in args.tests.split(",") if t.strip()] if args.tests else list(membw.TESTS)
     engines = None if args.engine == "all" else [args.engine]
+    if args.iters < 1 or args.warmup < 0:
+        from mleng.errors import UsageError
+
+        raise UsageError("--iters must be at least 1 and --warmup at least 0")
+    if args.threads is not None and args.threads < 1:
+        from mleng.errors import UsageError
+
+        raise UsageError(f"--threads must be at least 1 (got {args.threads})")
+    preflight_store(args)
     shown: list[dict] = []
 
     def on_row(row: dict) -> None:

@@ -14,14 +14,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mleng.cli.common import check_output_path, replacing_note
     from mleng.report.html import write_report
     from mleng.results.store import Store
 
-    with Store() as store:
+    target = check_output_path(args.output, "-o/--output", (".html", ".htm"))
+    note = replacing_note(target)
+    with Store(create=False) as store:
         measurements = [store.get(i) for i in args.ids]
-    path = write_report(measurements, args.output, args.title)
+    path = write_report(measurements, target, args.title)
     if args.json:
-        print_json({"report": str(path), "runs": [m.id for m in measurements]})
+        print_json({"report": str(path), "runs": [m.id for m in measurements], "replaced": bool(note)})
     else:
-        print(f"wrote {path} ({len(measurements)} run(s), {path.stat().st_size / 1024:.0f} KiB)")
+        print(f"wrote {path}{note} ({len(measurements)} run(s), {path.stat().st_size / 1024:.0f} KiB)")
     return 0

@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     export.add_argument("--format", choices=["json", "csv"], default="json")
     export.add_argument("-o", "--output", help="write to this file instead of stdout")
     delete = sub.add_parser("delete", parents=[json_parent()], help="remove one run")
-    delete.add_argument("id")
+    delete.add_argument("id", help="the full run id (a prefix or 'last' needs --yes)")
+    delete.add_argument("--yes", action="store_true", help="delete what a prefix or 'last' resolves to")
     compare = sub.add_parser("compare", parents=[json_parent()],
                              help="two runs side by side with the ratio per row")
     compare.add_argument("a")
@@ -29,13 +30,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mleng.results.store import Store
+    from mleng.errors import UsageError
+    from mleng.results.store import Store, kinds_stored
 
-    with Store() as store:
+    if args.action == "list" and args.limit < 1:
+        raise UsageError(f"--limit {args.limit}: give at least 1", hint="the default is 50")
+    if args.action == "export" and args.output is not None:
+        from mleng.cli.common import check_output_path
+
+        check_output_path(args.output, "--output")
+    # No action creates a store: reading (or deleting from) one that is not there yet leaves nothing behind.
+    with Store(create=False) as store:
+        if args.action == "delete" and not store.exists:
+            raise UsageError(f"no results stored yet in {store.path}", hint="nothing to delete")
         if args.action == "list":
             rows = store.list(kind=args.kind, limit=args.limit)
             if args.json:
                 print_json({"store": str(store.path), "results": rows})
+            elif not rows and args.kind:
+                kinds = kinds_stored(store)
+                stored = (f"{sum(kinds.values())} stored, of kinds {', '.join(sorted(kinds))}" if kinds
+                          else "none stored yet")
+                print(f"no results of kind {args.kind!r} in {store.path} ({stored})")
             elif not rows:
                 print(f"no results stored yet in {store.path}")
             else:
@@ -61,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if args.action == "delete":
             full_id = store.resolve_id(args.id)
+            if full_id != args.id and not args.yes:
+                raise UsageError(f"{args.id!r} is not a full id: it resolves to {full_id}",
+                                 hint=f"to delete it, give the full id (mleng results delete {full_id}) or add --yes")
             store.delete(full_id)
             if args.json:
                 print_json({"deleted": full_id})

@@ -29,6 +29,20 @@ COMPARE_ROWS = [
 ]
 
 
+COMPARE_LINK_ROWS = [
+    ("unidirectional", "GB/s", "unidirectional_gbps"),
+    ("duplex", "GB/s", "duplex_gbps"),
+    ("line rate", "Gb/s", "line_rate_gbit"),
+    ("per lane", "GB/s", "per_lane_gbps"),
+    ("lanes", "", "lanes"),
+    ("links", "", "links"),
+    ("per link", "GB/s", "per_link_gbps"),
+    ("adapters per node", "", "adapters_per_node"),
+    ("per node", "GB/s", "node_gbps"),
+    ("generation", "", "generation"),
+]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = sub.add_parser("list", parents=[json_parent()], help="all accelerators (or links) in the data")
@@ -39,8 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="one accelerator or link, with sources and notes")
     show.add_argument("name", nargs="+", help="a key, product name, alias or NVML name ('NVIDIA H200')")
     compare = sub.add_parser("compare", parents=[json_parent()],
-                             help="accelerators side by side, with ratios to the first")
-    compare.add_argument("names", nargs="+", metavar="NAME", help="two or more accelerators (quote names with spaces)")
+                             help="accelerators (or links) side by side, with ratios to the first")
+    compare.add_argument("names", nargs="+", metavar="NAME",
+                         help="two or more accelerators, or two or more links (quote names with spaces)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -216,15 +231,27 @@ def render_link(link) -> str:
 
 
 def comparison(names: list[str]) -> dict:
-    """Rows of specs for several accelerators, each with its ratio to the first."""
-    from mleng.specs import lookup_accelerator
+    """Rows of specs for several accelerators (or several links), each with its ratio to the first."""
+    from mleng.specs import lookup
+    from mleng.specs.catalog import Link
 
-    accelerators = [lookup_accelerator(name) for name in names]
-    keys = [a.key for a in accelerators]
+    entries = [lookup(name) for name in names]
+    links = [isinstance(e, Link) for e in entries]
+    if any(links) and not all(links):
+        mixed = ", ".join(f"{n} ({'link' if is_link else 'accelerator'})" for n, is_link in zip(names, links))
+        raise UsageError(f"cannot compare accelerators with links: {mixed}",
+                         hint="compare accelerators with accelerators, or links with links")
+    keys = [e.key for e in entries]
     if len(set(keys)) < len(keys):
         raise UsageError(f"the names given resolve to the same entry more than once: {', '.join(keys)}")
+    if all(links):
+        return _rows(entries, keys, COMPARE_LINK_ROWS, "links", {})
+    return _rows(entries, keys, COMPARE_ROWS, "accelerators", {a.key: a.power_term for a in entries})
+
+
+def _rows(accelerators, keys, spec_rows, kind: str, power_terms: dict) -> dict:
     rows = []
-    for label, unit, attribute in COMPARE_ROWS:
+    for label, unit, attribute in spec_rows:
         if attribute.startswith("tflops."):
             values = [a.tflops.get(attribute.split(".", 1)[1]) for a in accelerators]
         else:
@@ -235,19 +262,18 @@ def comparison(names: list[str]) -> dict:
         ratios = {a.key: (v / first if v is not None and first else None) for a, v in zip(accelerators, values)}
         rows.append({"spec": label, "unit": unit, "field": attribute,
                      "values": dict(zip(keys, values)), "ratio_to_first": ratios})
-    power_terms = {a.key: a.power_term for a in accelerators}
-    return {"accelerators": keys, "names": {a.key: a.name for a in accelerators},
+    return {"kind": kind, kind: keys, "names": {a.key: a.name for a in accelerators},
             "first": keys[0], "rows": rows, "power_terms": power_terms}
 
 
 def _compare(args: argparse.Namespace) -> int:
     if len(args.names) < 2:
-        raise UsageError("compare needs at least two accelerators, e.g. `mleng specs compare h100 h200`")
+        raise UsageError("compare needs at least two accelerators (or links), e.g. `mleng specs compare h100 h200`")
     result = comparison(args.names)
     if args.json:
         print_json(result)
         return 0
-    keys, first = result["accelerators"], result["first"]
+    keys, first = result[result["kind"]], result["first"]
     columns, headers = ["spec"], ["spec"]
     for key in keys:
         columns.append(key)
@@ -264,7 +290,10 @@ def _compare(args: argparse.Namespace) -> int:
             cells[f"{key}/ratio"] = round(ratio, 2) if ratio is not None else None
         rows.append(cells)
     print(table(rows, columns, headers))
-    terms = {result["power_terms"][k] for k in keys}
+    terms = {result["power_terms"].get(k) for k in keys}
+    if result["kind"] == "links":
+        print("\n" + LINK_LEGEND + "; ratios to " + first)
+        return 0
     if len(terms) > 1:
         print("\npower is each vendor's own figure: " + "; ".join(
             f"{k} {result['power_terms'][k] or 'not published'}" for k in keys))

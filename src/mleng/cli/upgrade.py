@@ -17,7 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dense: matmul-bound; attention: transformer training whose attention share "
                              "grows with --seq-len (default: dense)")
     parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--model-params", type=float, default=8e9, help="parameter count, e.g. 8e9")
+    parser.add_argument("--model-params", type=_param_count, default=8e9,
+                        help="parameter count, e.g. 8e9, 70B, 405B (default 8e9)")
+    parser.add_argument("--gpus", type=int, default=8,
+                        help="GPUs the model state is sharded over (ZeRO-3/FSDP) for the memory estimate (default 8)")
     parser.add_argument("--hidden", type=int, help="hidden size (default: estimated from --model-params)")
     parser.add_argument("--layers", type=int, help="layer count (default: estimated from --model-params)")
     parser.add_argument("--dtype", default="bf16", help="compute dtype for the rates (default bf16)")
@@ -31,12 +34,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--to-run", help="stored `mleng mamf` run measured on --to")
 
 
+def _param_count(text: str) -> float:
+    """8e9, 70B, 405b, 1.5T, 7M -> a parameter count."""
+    import argparse as _argparse
+
+    raw = text.strip().upper()
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(raw[-1:], 1.0)
+    number = raw[:-1] if raw[-1:] in "KMBGT" and raw else raw
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise _argparse.ArgumentTypeError(f"{text!r} is not a parameter count (e.g. 8e9, 70B, 405B)") from None
+    return value
+
+
 def _mamf_value(run_id: str | None) -> float | None:
     if not run_id:
         return None
     from mleng.results.store import Store
 
-    with Store() as store:
+    with Store(create=False) as store:
         m = store.get(run_id)
     if m.kind != "mamf" or not isinstance(m.summary.get("value"), (int, float)):
         raise UsageError(f"run {m.id} is a {m.kind} run without a TFLOPS headline",
@@ -53,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     workload = Workload(kind=args.workload, seq_len=args.seq_len, model_params=args.model_params,
                         hidden=args.hidden, layers=args.layers, dtype=args.dtype, need_dtype=args.need_dtype,
                         mfu=args.mfu, memory_fixed_gib=args.memory_fixed_gib,
-                        memory_per_token_gib=args.memory_per_token_gib)
+                        memory_per_token_gib=args.memory_per_token_gib, gpus=args.gpus)
     result = decide(lookup_accelerator(args.from_gpu), lookup_accelerator(args.to_gpu), args.price_from,
                     args.price_to, workload, _mamf_value(args.from_run), _mamf_value(args.to_run))
     if args.json:
@@ -67,7 +84,10 @@ def render(result: dict) -> str:
     gate1, gate2, cost = result["gate1_capability"], result["gate2_throughput"], result["cost"]
     lines = [f"{result['from']} -> {result['to']} ({result['dtype']}, {result['workload']['kind']} workload, "
              f"seq_len {result['workload']['seq_len']})", "",
-             "gate 1, capability: " + ("PASSED" if gate1["passed"] else "nothing the old GPU cannot do")]
+             "gate 1, capability: " + ("PASSED" if gate1["passed"] else
+                                       "neither GPU fits the workload" if not (gate1["fits"]["from"] or gate1["fits"]["to"])
+                                       else f"{result['to']} cannot hold the workload" if not gate1["fits"]["to"]
+                                       else "nothing the old GPU cannot do")]
     lines += [f"  - {r}" for r in gate1["reasons"]]
     lines.append(f"  memory needed ~{gate1['memory_needed_gib']} GiB/GPU; usable "
                  f"{gate1['usable_memory_gib']['from']} -> {gate1['usable_memory_gib']['to']} GiB; "
@@ -89,6 +109,6 @@ def render(result: dict) -> str:
     lines.append(table(rows, ["measure", "value"]))
     lines += ["", f"verdict: {result['verdict'].upper()}"]
     lines += [f"  - {r}" for r in result["reasons"]]
-    lines.append(f"  ($ per million tokens assumes {cost['assumed_mfu_from'] * 100:.0f}% MFU on the old GPU; "
-                 "the ratios do not depend on it)")
+    lines += ["", "assumptions (each a flag):"]
+    lines += [f"  - {a}" for a in result["assumptions"]]
     return "\n".join(lines)

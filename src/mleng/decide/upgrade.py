@@ -17,6 +17,7 @@ GIB = 2**30
 # The book's measured memory model for Llama-3.1-8B with ZeRO-3, activation checkpointing, CPU
 # AdamW offload and Liger-Kernel: peak ~= 12.6 GiB + 0.00043 GiB per token, the same on both GPUs.
 REFERENCE_PARAMS = 8e9
+REFERENCE_GPUS = 8  # the book's run: one node of 8 GPUs, ZeRO-3 sharding the model state over them
 REFERENCE_FIXED_GIB = 12.6
 REFERENCE_PER_TOKEN_GIB = 0.00043
 # Llama-3.1-8B shape, used when the model is that size and no shape is given.
@@ -41,6 +42,7 @@ class Workload:
     mfu: float = 0.40  # on the old GPU; only used to express cost per million tokens
     memory_fixed_gib: float | None = None
     memory_per_token_gib: float | None = None
+    gpus: int = REFERENCE_GPUS  # GPUs the model state is sharded over (ZeRO-3 / FSDP)
 
     def shape(self) -> tuple[int, int]:
         if self.hidden and self.layers:
@@ -65,20 +67,46 @@ def attention_share(workload: Workload) -> float:
     return attention / (dense + attention)
 
 
-def memory_needed_gib(workload: Workload) -> float:
+def memory_model(workload: Workload) -> tuple[float, float]:
+    """(fixed GiB, GiB per token) per GPU: given, or the book's 8B measurement scaled, sharded state
+    with the parameter count over the GPUs, activations with the parameter count."""
     scale = workload.model_params / REFERENCE_PARAMS
-    fixed = workload.memory_fixed_gib if workload.memory_fixed_gib is not None else REFERENCE_FIXED_GIB * scale
+    fixed = (workload.memory_fixed_gib if workload.memory_fixed_gib is not None
+             else REFERENCE_FIXED_GIB * scale * REFERENCE_GPUS / workload.gpus)
     per_token = (workload.memory_per_token_gib if workload.memory_per_token_gib is not None
                  else REFERENCE_PER_TOKEN_GIB * scale)
+    return fixed, per_token
+
+
+def memory_needed_gib(workload: Workload) -> float:
+    fixed, per_token = memory_model(workload)
     return fixed + per_token * workload.seq_len
 
 
 def max_seq_len(workload: Workload, usable_gib: float) -> int:
-    scale = workload.model_params / REFERENCE_PARAMS
-    fixed = workload.memory_fixed_gib if workload.memory_fixed_gib is not None else REFERENCE_FIXED_GIB * scale
-    per_token = (workload.memory_per_token_gib if workload.memory_per_token_gib is not None
-                 else REFERENCE_PER_TOKEN_GIB * scale)
+    fixed, per_token = memory_model(workload)
     return max(0, int((usable_gib - fixed) / per_token))
+
+
+def assumptions(workload: Workload) -> list[str]:
+    """Every assumption the numbers rest on, each with the flag that changes it."""
+    fixed, per_token = memory_model(workload)
+    out = []
+    if workload.memory_fixed_gib is None or workload.memory_per_token_gib is None:
+        out.append(f"memory per GPU = {fixed:.1f} GiB + {per_token:.5f} GiB per token: the book's Llama-3.1-8B "
+                   f"run (ZeRO-3, activation checkpointing, CPU AdamW offload, Liger-Kernel) scaled to "
+                   f"{workload.model_params:.3g} parameters sharded over {workload.gpus} GPUs "
+                   "(--gpus, --memory-fixed-gib, --memory-per-token-gib)")
+    else:
+        out.append(f"memory per GPU = {fixed:.1f} GiB + {per_token:.5f} GiB per token, as given")
+    hidden, layers = workload.shape()
+    if not (workload.hidden and workload.layers):
+        out.append(f"model shape hidden {hidden}, {layers} layers, estimated from the parameter count "
+                   "(--hidden, --layers)")
+    out.append(f"{workload.mfu * 100:.0f}% MFU on the old GPU, for $ per million tokens only (--mfu)")
+    out.append(f"usable memory is {USABLE_MEMORY_FRACTION * 100:.0f}% of the datasheet's (CUDA context, NCCL "
+               "buffers, allocator slack)")
+    return out
 
 
 def usable_memory_gib(accelerator: Any) -> float:
@@ -102,6 +130,19 @@ def decide(old: Any, new: Any, price_old: float, price_new: float, workload: Wor
         raise UsageError(f"unknown workload {workload.kind!r}", hint="use --workload dense or --workload attention")
     if workload.seq_len <= 0 or workload.model_params <= 0:
         raise UsageError("--seq-len and --model-params must be positive")
+    if not 0 < workload.mfu <= 1:
+        raise UsageError(f"--mfu {workload.mfu:g}: MFU is a fraction of the peak, above 0 and at most 1",
+                         hint="e.g. --mfu 0.4 for 40%")
+    if workload.gpus < 1:
+        raise UsageError(f"--gpus {workload.gpus}: give at least 1")
+    from mleng.specs.catalog import normalize_dtype
+
+    for flag, field in (("--dtype", "dtype"), ("--need-dtype", "need_dtype")):
+        if getattr(workload, field):
+            try:
+                setattr(workload, field, normalize_dtype(getattr(workload, field)))
+            except UsageError as exc:
+                raise UsageError(f"{flag}: {exc.message}") from None
     dtype = workload.dtype
     peak_old, peak_new = _rate(old, dtype), _rate(new, dtype)
     if not peak_old or not peak_new:
@@ -123,7 +164,13 @@ def decide(old: Any, new: Any, price_old: float, price_new: float, workload: Wor
     if need_gib > usable_old and need_gib <= usable_new:
         capability_reasons.append(f"seq_len {workload.seq_len} needs about {need_gib:.1f} GiB per GPU: it fits "
                                   f"{new.name} ({usable_new:.0f} GiB) but not {old.name} ({usable_old:.0f} GiB)")
-    gate1_passed = bool(capability_reasons) and "neither" not in capability_reasons[0]
+    fits_old, fits_new = need_gib <= usable_old, need_gib <= usable_new
+    if not fits_new:
+        capability_reasons.append(f"seq_len {workload.seq_len} needs about {need_gib:.1f} GiB per GPU, more than "
+                                  f"{new.name} ({usable_new:.0f} GiB)" + ("" if fits_old else
+                                  f" or {old.name} ({usable_old:.0f} GiB) can hold"))
+    gate1_passed = fits_new and bool(capability_reasons) and "neither" not in capability_reasons[0]
+    neither_fits = not fits_old and not fits_new
 
     # Gate 2: throughput.
     spec_speedup = peak_new / peak_old
@@ -153,8 +200,15 @@ def decide(old: Any, new: Any, price_old: float, price_new: float, workload: Wor
     break_even_price = price_old * speedup
     cost_ratio = price_ratio / speedup  # new $/token over old $/token
 
-    reasons = list(capability_reasons) if gate1_passed else []
-    if gate1_passed:
+    reasons = list(capability_reasons) if gate1_passed or not fits_new else []
+    if neither_fits:
+        verdict = "does not fit"
+        reasons.append("the workload fits neither GPU under the memory assumptions below: shard over more GPUs "
+                       "(--gpus), shorten --seq-len, or give the measured memory (--memory-fixed-gib)")
+    elif not fits_new:
+        verdict = "hold"
+        reasons.append(f"the workload fits {old.name} but not {new.name}")
+    elif gate1_passed:
         verdict = "upgrade"
     elif cost_ratio < 0.95:
         verdict = "upgrade"
@@ -178,8 +232,9 @@ def decide(old: Any, new: Any, price_old: float, price_new: float, workload: Wor
     return {
         "from": old.name, "to": new.name, "dtype": dtype,
         "workload": {**dataclasses.asdict(workload), "hidden": hidden, "layers": layers},
+        "assumptions": assumptions(workload),
         "gate1_capability": {
-            "passed": gate1_passed, "reasons": capability_reasons, "new_dtypes": new_dtypes,
+            "passed": gate1_passed, "fits": {"from": fits_old, "to": fits_new}, "reasons": capability_reasons, "new_dtypes": new_dtypes,
             "memory_needed_gib": round(need_gib, 1),
             "usable_memory_gib": {"from": round(usable_old, 1), "to": round(usable_new, 1)},
             "max_seq_len": {"from": max_seq_len(workload, usable_old), "to": max_seq_len(workload, usable_new)},

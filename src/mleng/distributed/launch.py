@@ -76,7 +76,11 @@ def _int_env(env: Mapping[str, str], name: str, default: int | None = None) -> i
 def _from_torch_env(env: Mapping[str, str]) -> Launch:
     rank = _int_env(env, "RANK")
     world_size = _int_env(env, "WORLD_SIZE")
-    local_rank = _int_env(env, "LOCAL_RANK", default=0 if world_size == 1 else None)
+    local_world = env.get("LOCAL_WORLD_SIZE")
+    # torch does not need LOCAL_RANK to start: without it, a rank started by hand is the only one on its
+    # node (local rank 0), or its place among LOCAL_WORLD_SIZE ranks per node.
+    derived = rank % int(local_world) if local_world and local_world.isdigit() and int(local_world) > 0 else 0
+    local_rank = _int_env(env, "LOCAL_RANK", default=derived)
     if not 0 <= rank < world_size:
         raise UsageError(f"RANK={rank} is outside WORLD_SIZE={world_size}",
                          hint="ranks are numbered 0 .. WORLD_SIZE-1")
@@ -92,7 +96,6 @@ def _from_torch_env(env: Mapping[str, str]) -> Launch:
     run_id = "0"
     if mode == "torchrun":
         run_id = f"{env.get('TORCHELASTIC_RUN_ID', '')}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    local_world = env.get("LOCAL_WORLD_SIZE")
     return Launch(
         mode=mode, rank=rank, world_size=world_size, local_rank=local_rank,
         local_world_size=int(local_world) if local_world and local_world.isdigit() else None,

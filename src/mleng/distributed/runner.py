@@ -39,7 +39,7 @@ def run_as_ranks(command: str, argv: list[str], nproc: int | None, timeout_s: fl
         code = relaunch(command, argv, nproc)
         if code is not None:
             return code
-        nproc = nproc or default_nproc()
+        nproc = default_nproc() if nproc is None else nproc
         if nproc < 1:
             raise UsageError(f"--nproc {nproc} must be at least 1")
         result = spawn_local(strip_nproc(argv), nproc, grace_s=min(timeout_s, 30.0) + 5.0)

@@ -11,8 +11,8 @@ import shutil
 from typing import Any, Callable
 
 from mleng.doctor.findings import Finding, fail, inconclusive, ok, skipped, warn
-from mleng.machine.nvml import nvlink_summary, pcie_link_check, slowdown_reasons
-from mleng.machine.system import parse_cpulist
+from mleng.machine.nvml import FAULT_REASONS, nvlink_summary, pcie_link_check, slowdown_reasons
+from mleng.machine.system import format_cpulist, parse_cpulist
 
 GIB = 2**30
 # Bands that say what is normal. MAMF efficiency against the datasheet: the book's measured
@@ -122,7 +122,7 @@ def check_clocks(fp: dict[str, Any], load_samples: dict[int, dict[str, Any]] | N
         detail = (f"{_gpu_subject(d)}: SM clock {clock:.0f} MHz under load, max {max_clock:.0f} MHz "
                   f"({ratio * 100:.0f}%)" + (f"; throttle reasons: {', '.join(slow)}" if slow else "")
                   + (f"; {temperature} C" if temperature is not None else ""))
-        hard = {"hw_slowdown", "hw_thermal_slowdown", "hw_power_brake", "sw_thermal_slowdown"} & set(slow)
+        hard = FAULT_REASONS & set(slow)
         if ratio < CLOCK_UNDER_LOAD_OK and hard:
             findings.append(fail("sm_clock", detail, measured=clock, expected=max_clock, subject=_gpu_subject(d),
                                  cause="thermal or hardware slowdown: cooling, power delivery or a failing part",
@@ -230,14 +230,52 @@ def check_nvlink(fp: dict[str, Any]) -> list[Finding]:
     return findings
 
 
-def check_numa_affinity(fp: dict[str, Any]) -> list[Finding]:
+def _mask_cpus(mask: str) -> list[int]:
+    """A SLURM/taskset hex mask ('0xff00') -> CPU numbers."""
+    value = int(mask, 16)
+    return [i for i in range(value.bit_length()) if value >> i & 1]
+
+
+def job_binding(fp: dict[str, Any], cpus: str | None = None) -> tuple[set[int] | None, str]:
+    """The CPUs the job's rank will be bound to, and where that comes from.
+
+    The doctor's own affinity is not the job's: under a plain shell it is every CPU. What binds a
+    rank is the launcher: --cpus (a planned binding), SLURM's --cpu-bind (SLURM_CPU_BIND_LIST, one
+    mask per local task), or the affinity this process inherited when a launcher already narrowed it.
+    """
+    if cpus:
+        return set(parse_cpulist(cpus)), "--cpus"
+    env = fp.get("env") or {}
+    masks = [m for m in (env.get("SLURM_CPU_BIND_LIST") or "").split(",") if m.strip()]
+    if masks and (env.get("SLURM_CPU_BIND_TYPE") or "mask_cpu").startswith(("mask_cpu", "map_cpu", "")):
+        local = int(env.get("SLURM_LOCALID") or env.get("LOCAL_RANK") or 0)
+        mask = masks[local % len(masks)]
+        try:
+            return set(_mask_cpus(mask)), f"SLURM --cpu-bind (SLURM_CPU_BIND_LIST, local task {local})"
+        except ValueError:
+            pass
+    process = set(parse_cpulist((fp.get("process") or {}).get("cpu_affinity") or ""))
+    total = (fp.get("cpu") or {}).get("logical_cores")
+    if process and total and len(process) < total:
+        return process, "the affinity this process inherited from its launcher"
+    return None, "no binding"
+
+
+def check_numa_affinity(fp: dict[str, Any], cpus: str | None = None) -> list[Finding]:
     devices = gpu_devices(fp)
     if not devices:
         return [_no_gpu("numa_affinity", fp)]
-    process_cpus = set(parse_cpulist((fp.get("process") or {}).get("cpu_affinity") or ""))
-    if not process_cpus:
+    process_text = (fp.get("process") or {}).get("cpu_affinity") or ""
+    if not process_text and not cpus and not (fp.get("env") or {}).get("SLURM_CPU_BIND_LIST"):
         return [inconclusive("numa_affinity", "the process's CPU affinity is not in the fingerprint")]
-    local_rank = (fp.get("env") or {}).get("LOCAL_RANK")
+    bound, source = job_binding(fp, cpus)
+    if bound is None:
+        return [inconclusive("numa_affinity", f"the job's CPU binding is unknown: nothing binds its ranks (the "
+                             f"doctor itself may run on every CPU, {process_text}); bind each rank near its GPU "
+                             "(srun --cpu-bind, numactl) or pass --cpus LIST to check a planned binding",
+                             handbook=["numa-affinity-mismatch"])]
+    shown = format_cpulist(bound)
+    local_rank = (fp.get("env") or {}).get("LOCAL_RANK") or (fp.get("env") or {}).get("SLURM_LOCALID")
     selected = [d for d in devices if local_rank is None or str(d.get("index")) == local_rank]
     findings = []
     for d in selected or devices:
@@ -246,10 +284,10 @@ def check_numa_affinity(fp: dict[str, Any]) -> list[Finding]:
         if not gpu_cpus:
             findings.append(inconclusive("numa_affinity", f"{subject}: CPU affinity of the GPU unknown", subject=subject))
             continue
-        overlap = len(process_cpus & gpu_cpus) / len(process_cpus)
+        overlap = len(bound & gpu_cpus) / len(bound)
         numa = d.get("numa_node") if d.get("numa_node") is not None else "unknown"
         text = (f"{subject} is local to CPUs {d.get('cpu_affinity')} (NUMA node {numa}); "
-                f"this process may run on {fp['process']['cpu_affinity']}")
+                f"the job's rank is bound to {shown} ({source})")
         if overlap == 0:
             findings.append(warn("numa_affinity", text + ": none of them local to the GPU", subject=subject,
                                  cause="data loading and kernel launches cross the socket interconnect",
@@ -295,6 +333,12 @@ def check_nccl_env(fp: dict[str, Any]) -> list[Finding]:
                                  handbook=["nccl-socket-ifname-wrong"]))
     hca = env.get("NCCL_IB_HCA")
     ib = fp.get("infiniband") or {}
+    if hca and not ib.get("available") and not hca.startswith("^"):
+        findings.append(fail("nccl_env", f"NCCL_IB_HCA={hca} names RDMA devices, and this host has none "
+                             f"({ib.get('reason') or 'no InfiniBand/RoCE device found'})", subject="NCCL_IB_HCA",
+                             cause="NCCL finds no IB device and falls back to TCP sockets (slow), or the variable "
+                                   "was copied from another cluster",
+                             handbook=["nccl-low-busbw-inter-node"]))
     if hca and ib.get("available"):
         devices = [d["name"] for d in ib.get("devices") or []]
         names = [n.split(":")[0] for n in hca.lstrip("^=").split(",") if n]

@@ -98,8 +98,11 @@ def judge_measurement(name: str, outcome: dict[str, Any], fp: dict[str, Any], ch
 
 def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint_dir: str | None = None,
                measure: bool = True, fingerprint: dict[str, Any] | None = None,
-               on_step: Callable[[str], None] | None = None) -> Measurement:
+               on_step: Callable[[str], None] | None = None, local: bool | None = None,
+               cpus: str | None = None) -> Measurement:
     """Everything `mleng doctor` does, as one Measurement of kind "doctor" whose rows are findings."""
+    # local: the fingerprint is this machine's, so checks that read the machine itself (its disk) apply
+    local = fingerprint is None if local is None else local
     checkpoint_dir = checkpoint_dir or os.getcwd()
     step = on_step or (lambda _text: None)
     step("fingerprint")
@@ -108,7 +111,8 @@ def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint
 
         fingerprint = collect()
     record = Measurement.start("doctor", params={"tier": tier, "expect_gpus": expect_gpus,
-                                                 "checkpoint_dir": checkpoint_dir, "measure": measure},
+                                                 "checkpoint_dir": checkpoint_dir, "measure": measure,
+                                                 "cpus": cpus, "local": local},
                                machine=fingerprint)
     findings: list[Finding] = []
     measurements: dict[str, str] = {}
@@ -130,13 +134,24 @@ def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint
     step("checks")
     findings += checks.check_gpu_count(fingerprint, expect_gpus)
     findings += checks.check_clocks(fingerprint, load_samples)
-    for name in ("ecc", "pcie_link", "nvlink", "numa_affinity", "nccl_env", "dev_shm", "memlock"):
+    findings += checks.check_numa_affinity(fingerprint, cpus)
+    for name in ("ecc", "pcie_link", "nvlink", "nccl_env", "dev_shm", "memlock"):
         findings += checks.FINGERPRINT_CHECKS[name](fingerprint)
-    findings += checks.check_disk(checkpoint_dir)
+    if local:
+        findings += checks.check_disk(checkpoint_dir)
+    else:
+        host = (fingerprint.get("host") or {}).get("hostname") or "the fingerprint's host"
+        findings.append(checks.skipped("checkpoint_disk", f"not checked: the disk is read from this machine, "
+                                       f"not from {host}; run the doctor there"))
     findings.sort(key=lambda f: SEVERITY_RANK[f.severity])
     record.rows = [f.to_row() for f in findings]
     counts = {s: sum(f.severity == s for f in findings) for s in ("fail", "warn", "ok", "inconclusive", "skipped")}
     record.summary = {"verdict": worst(findings), "value": None, "unit": "", "counts": counts,
                       "measurements": measurements,
                       "handbook": sorted({h for f in findings if f.severity in ("fail", "warn") for h in f.handbook})}
-    return record.finish("interrupted" if interrupted else "complete")
+    if interrupted:
+        from mleng import signals
+
+        return record.finish("interrupted", f"interrupted by {signals.describe()}: the measurements not yet run "
+                                            "are missing; the checks ran")
+    return record.finish("complete")

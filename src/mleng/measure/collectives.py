@@ -322,11 +322,17 @@ def _capture_graph(op: Op, inp, out, rank: int, n: int, iters: int):
         with torch.cuda.stream(side):
             _run_once(op, inp, out, rank, n)  # NCCL needs one op outside capture on this stream
         torch.cuda.current_stream().wait_stream(side)
+        import warnings
+
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(iters):
-                _run_once(op, inp, out, rank, n)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.cuda.graph(graph):
+                for _ in range(iters):
+                    _run_once(op, inp, out, rank, n)
         torch.cuda.synchronize()
+        if any("graph is empty" in str(w.message).lower() for w in caught):
+            return graph, EMPTY_GRAPH  # nothing was captured: replaying it times nothing
         return graph, None
     except Exception as exc:  # older NCCL, unsupported op: fall back to eager, and say so
         torch.cuda.synchronize()
@@ -393,7 +399,10 @@ def measure_size(job, op: Op, size_bytes: int, settings: Settings) -> dict[str, 
         **stats, "algbw_gbps": algbw, "busbw_gbps": algbw * op.factor(n),
         "samples": len(samples_s), "iters": settings.iters,
     }
-    if graph is not None:
+    if graph is not None and graph_note == EMPTY_GRAPH:
+        row["timing"] = "cuda_graph"
+        row["graph_empty"] = True
+    elif graph is not None:
         row["timing"] = "cuda_graph"
     elif graph_note:
         row["timing"] = f"eager (CUDA graph capture failed: {graph_note})"
@@ -418,6 +427,55 @@ def check_op(op: Op, inp, out, count: int, n: int, rank: int, device: str) -> in
         wrong += (out != expected.to(out.dtype)).sum()
     _dist().all_reduce(wrong)
     return int(wrong.item())
+
+
+EMPTY_GRAPH = "empty"
+# A measured rate above this multiple of the link's spec is not a fast link: it is a timing that
+# measured nothing (an empty graph, an op that did not run). busbw is at most the link's
+# unidirectional rate; 2x leaves room for a spec quoted per direction where both were used.
+PHYSICS_MARGIN = 2.0
+
+
+def fastest_link_gbps() -> float:
+    """The fastest per-GPU rate any link or accelerator in the specs allows: the ceiling without a reference."""
+    from mleng.specs.catalog import load_accelerators, load_links
+
+    rates = [a.intra_node_gbps or 0 for a in load_accelerators().values()]
+    rates += [max(link.unidirectional_gbps or 0, link.node_gbps or 0) for link in load_links().values()]
+    return max(rates) or 1800.0
+
+
+def physics_problem(row: dict, reference_gbps: float | None, ceiling_gbps: float | None = None) -> str | None:
+    """Why a row's rate cannot be real, or None. An empty captured CUDA graph timed nothing; a busbw
+    above PHYSICS_MARGIN x the link (or, with no reference, x the fastest link in the specs) is not a link."""
+    if row.get("graph_empty"):
+        return "the captured CUDA graph is empty: nothing ran, so the time measures nothing"
+    busbw = row.get("busbw_gbps")
+    if not isinstance(busbw, (int, float)):
+        return None
+    if reference_gbps and busbw > PHYSICS_MARGIN * reference_gbps:
+        return (f"busbw {busbw:.4g} GB/s is more than {PHYSICS_MARGIN:g}x the link's {reference_gbps:g} GB/s: "
+                "physically impossible, so the timing is wrong")
+    if ceiling_gbps and busbw > PHYSICS_MARGIN * ceiling_gbps:
+        return (f"busbw {busbw:.4g} GB/s is more than {PHYSICS_MARGIN:g}x the fastest link in the specs "
+                f"({ceiling_gbps:g} GB/s): physically impossible, so the timing is wrong")
+    return None
+
+
+def reject_impossible(rows: list[dict], reference_gbps: float | None, ceiling_gbps: float | None = None) -> list[dict]:
+    """Turn each impossible row into an error row: its rates move to rejected_* fields, never a number."""
+    rejected = []
+    for row in rows:
+        if row.get("error"):
+            continue
+        problem = physics_problem(row, reference_gbps, ceiling_gbps)
+        if problem:
+            row["error"] = problem
+            for field in ("busbw_gbps", "algbw_gbps"):
+                if field in row:
+                    row[f"rejected_{field}"] = row.pop(field)
+            rejected.append(row)
+    return rejected
 
 
 def sweep(job, settings: Settings) -> Iterator[dict]:
@@ -493,6 +551,8 @@ def summarize(rows: list[dict], reference_gbps: float | None, reference_note: st
     """Headline: the peak busbw (per op and overall) and its share of the reference rate."""
     per_op: dict[str, dict] = {}
     for row in rows:
+        if row.get("error") or "busbw_gbps" not in row:
+            continue  # an impossible row is an error, never a peak
         best = per_op.get(row["op"])
         if best is None or row["busbw_gbps"] > best["peak_busbw_gbps"]:
             per_op[row["op"]] = {"peak_busbw_gbps": row["busbw_gbps"], "at_size_bytes": row["size_bytes"],
@@ -507,6 +567,9 @@ def summarize(rows: list[dict], reference_gbps: float | None, reference_note: st
     summary["verdict"] = "inconclusive" if reference_gbps is None else "measured"
     if any("wrong" in r for r in rows):
         summary["wrong"] = wrong
+    errors = [f"{r['op']} at {format_bytes(r['size_bytes'])}: {r['error']}" for r in rows if r.get("error")]
+    if errors:
+        summary["row_errors"] = errors
     if min_busbw is not None:
         below = sorted(op for op, best in per_op.items() if best["peak_busbw_gbps"] < min_busbw)
         summary["min_busbw_gbps"] = min_busbw
@@ -514,18 +577,25 @@ def summarize(rows: list[dict], reference_gbps: float | None, reference_note: st
     return summary
 
 
-def plot_busbw(rows: list[dict], path: str, reference_gbps: float | None, reference_note: str) -> None:
-    """busbw against size, one line per op, the reference rate dashed where there is one."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or a UsageError: called before a run that will plot."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UsageError("--plot needs matplotlib", hint="pip install matplotlib (or mleng[plot])") from None
+        raise UsageError("--plot needs matplotlib, which is not installed",
+                         hint="pip install matplotlib (or mleng[plot]), or drop --plot") from None
+    return plt
+
+
+def plot_busbw(rows: list[dict], path: str, reference_gbps: float | None, reference_note: str) -> None:
+    """busbw against size, one line per op, the reference rate dashed where there is one."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for op in dict.fromkeys(r["op"] for r in rows):
-        mine = [r for r in rows if r["op"] == op]
+        mine = [r for r in rows if r["op"] == op and "busbw_gbps" in r]
         ax.plot([r["size_bytes"] for r in mine], [r["busbw_gbps"] for r in mine], marker="o", label=op)
     if reference_gbps:
         ax.axhline(reference_gbps, linestyle="--", color="gray", label=f"reference {reference_gbps:g} GB/s")

@@ -20,12 +20,13 @@ THROTTLE_REASONS = {
     0x10: "sync_boost",
     0x20: "sw_thermal_slowdown",
     0x40: "hw_thermal_slowdown",
-    0x80: "hw_power_brake_slowdown",
+    0x80: "hw_power_brake",
     0x100: "display_clock_setting",
 }
 # Reasons that mean the clock was held down by power or heat, not by an idle GPU or a setting.
-LIMITING_REASONS = {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown",
-                    "hw_power_brake_slowdown"}
+# The names are machine.nvml's (one spelling for the doctor and this sampler): a reason spelled
+# differently here would be dropped by the doctor's throttling check.
+LIMITING_REASONS = {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake"}
 
 SAMPLE_FIELDS = ("sm_clock_mhz", "mem_clock_mhz", "power_w", "temperature_c")
 

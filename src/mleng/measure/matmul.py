@@ -827,6 +827,12 @@ class MamfOptions:
     iters: int | None = None          # finalist/exact iteration count; None: adaptive
 
 
+def _signal_name() -> str:
+    from mleng import signals
+
+    return signals.describe()
+
+
 def run_mamf(options: MamfOptions, on_result: OnResult | None = None,
              on_start: Callable[[dict[str, Any]], None] | None = None):
     """Resolve device and dtype, warm up, search, and return the finished Measurement.
@@ -841,6 +847,9 @@ def run_mamf(options: MamfOptions, on_result: OnResult | None = None,
 
     device = resolve_device(options.device)
     dtype = canonical_dtype(options.dtype) if options.dtype else ("float32" if device.type == "cpu" else "bfloat16")
+    if options.tf32 and (device.type != "cuda" or dtype != "float32"):
+        raise UsageError(f"--tf32 on changes float32 matmuls on NVIDIA GPUs only; this run is {dtype} on {device}",
+                         hint="drop --tf32 (or measure --dtype float32 on a CUDA GPU)")
     if options.shapes is not None:
         shapes = list(options.shapes)
         if not shapes:
@@ -982,7 +991,7 @@ def run_mamf(options: MamfOptions, on_result: OnResult | None = None,
                                   else "NVML telemetry is NVIDIA-only"}
     measurement.summary = summary
     if interrupted:
-        measurement.finish("interrupted", "stopped by Ctrl-C; the best shape so far is kept")
+        measurement.finish("interrupted", f"stopped by {_signal_name()}; the best shape so far is kept")
     else:
         measurement.finish("complete")
     return measurement
@@ -1101,7 +1110,7 @@ def run_all_devices(child_argv: Callable[[int], list[str]], count: int, env: dic
     if errors:
         measurement.finish("failed", "; ".join(errors))
     elif interrupted:
-        measurement.finish("interrupted", "stopped by Ctrl-C; each GPU's best shape so far is kept")
+        measurement.finish("interrupted", f"stopped by {_signal_name()}; each GPU's best shape so far is kept")
     else:
         measurement.finish("complete")
     return measurement

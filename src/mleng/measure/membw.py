@@ -199,6 +199,36 @@ def _row(device: str, test: str, engine: str, size_bytes: int, bytes_moved: int,
     }
 
 
+HOST_MARGIN_BYTES = 512 * 2**20  # the process, torch and the cache-flush buffer besides the test buffers
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_memory(size_bytes: int, what: str) -> None:
+    """Two buffers of size_bytes (source and destination) must fit in the host's available memory."""
+    available = host_available_bytes()
+    needed = 2 * size_bytes + HOST_MARGIN_BYTES
+    if available is None or needed <= available:
+        return
+    fits = max((available - HOST_MARGIN_BYTES) // 2, 0)
+    fits_text = format_bytes(fits - fits % 2**30 if fits >= 2**30 else fits - fits % 2**20) if fits >= 2**20 else None
+    raise UsageError(
+        f"--size {format_bytes(size_bytes)} does not fit: {what} need {format_bytes(needed)} "
+        f"(source + destination + {format_bytes(HOST_MARGIN_BYTES)}), the host has {format_bytes(available)} available",
+        hint=f"pass --size {fits_text} or less" if fits_text else "free host memory first",
+    )
+
+
 def check_device_memory(device_index: int, needed_bytes: int) -> None:
     import torch
 
@@ -554,6 +584,9 @@ def run_membw(*, device: int | None = None, all_devices: bool = False, size_byte
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         raise UsageError(f"unknown engine(s) {', '.join(bad)}", hint=f"choose from {', '.join(ENGINES)}")
+    if not on_gpu and "triton" in engines:
+        raise NotAvailableError("--engine triton runs on CUDA GPUs, and this run measures the CPU",
+                                hint="drop --engine (the CPU is measured with torch)")
     if not on_gpu:
         tests = [t for t in tests if t in CPU_TESTS]
         if not tests:
@@ -562,6 +595,12 @@ def run_membw(*, device: int | None = None, all_devices: bool = False, size_byte
         engines = ["torch"]
         threads = threads or len(os.sched_getaffinity(0))
     size_bytes = round_size(size_bytes or (DEFAULT_GPU_SIZE if on_gpu else DEFAULT_CPU_SIZE))
+    # Checked before any allocation: an allocator failure mid-run is a traceback, not an answer.
+    check_host_memory(size_bytes if not on_gpu else min(MAX_HOST_SIZE, size_bytes) // 2, "the CPU test buffers"
+                      if not on_gpu else "the pinned and pageable host buffers")
+    if on_gpu:
+        for dev in devices:
+            check_device_memory(int(dev.rsplit(":", 1)[-1]), 2 * size_bytes + 64 * 2**20)
     params = {"devices": devices, "size_bytes": size_bytes, "tests": tests, "engines": engines,
               "iters": iters, "warmup": warmup, "threads": threads,
               "host_size_bytes": min(MAX_HOST_SIZE, size_bytes) if on_gpu else None,
@@ -587,10 +626,11 @@ def run_membw(*, device: int | None = None, all_devices: bool = False, size_byte
                 measure_device(devices[0], on_row=keep, **kwargs)
             except KeyboardInterrupt:
                 raise PartialResult(rows, "interrupted")
-            except MlengError:
+            except MlengError as exc:
                 if not rows:
                     raise
-                raise PartialResult(rows, "failed", "measurement stopped early")
+                # keep the rows, and say what stopped the run (a wrong copy, a lost device), not just that it did
+                raise PartialResult(rows, "failed", exc.message)
         else:
             rows = measure_concurrently(devices, on_row=on_row, **kwargs)
     except PartialResult as partial:

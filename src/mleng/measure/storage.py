@@ -79,6 +79,13 @@ def check_target(path: str | os.PathLike) -> Path:
     if not target.is_dir():
         raise UsageError(f"PATH {target} is not a directory",
                          hint="give a directory; mleng io writes its files into a new subdirectory of it")
+    try:
+        st = os.statvfs(target)
+    except OSError as exc:
+        raise UsageError(f"PATH {target} cannot be inspected: {exc.strerror or exc}") from None
+    if st.f_blocks == 0:
+        raise UsageError(f"PATH {target} is on {filesystem_type(target)}, a virtual file system with no storage "
+                         "behind it", hint="give a directory on the disk or shared file system you want to measure")
     if not os.access(target, os.W_OK | os.X_OK):
         raise UsageError(f"PATH {target} is not writable by this user", hint="choose a directory you can write to")
     return target
@@ -606,7 +613,9 @@ def run_io(path: str | os.PathLike, *, size_bytes: int, jobs: int = 4, duration_
                                                  on_row, on_workspace)
             targets["baseline"]["same_filesystem_as_path"] = same
     except KeyboardInterrupt:
-        return _finish(m, rows, targets, "interrupted", "interrupted by the user (Ctrl-C); files removed")
+        from mleng import signals
+
+        return _finish(m, rows, targets, "interrupted", f"interrupted by {signals.describe()}; files removed")
     except UsageError:
         raise  # preflight problems (space, path) are the user's to fix: exit 2
     except MlengError as exc:

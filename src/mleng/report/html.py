@@ -88,13 +88,18 @@ def _mamf_section(m: Measurement) -> str:
                                highlight={f"GPU {slowest}"}, highlight_label="slowest"))
         parts.append(rows_table(per_device, ["device", "device_name", "best_shape", "tflops_median", "tflops_max",
                                              "sm_clock_mean_mhz", "power_mean_w", "below_max_clock", "status"]))
-    ranked = sorted((r for r in m.rows if r.get("tflops_median") is not None), key=lambda r: -r["tflops_median"])
+    ranked = _ranked_shapes(m)
     if ranked:
-        best = ranked[0]
-        around = ranked[:25]
-        bars = [(f"{r['m']}x{r['n']}x{r['k']}", float(r["tflops_median"])) for r in around]
+        # One bar per shape (its most-measured row) and one "best": the headline's shape, not a
+        # few-iteration screening sample that happened to read higher.
+        s = m.summary
+        best_label = (f"{s['m']}x{s['n']}x{s['k']}" if s.get("m") else f"{ranked[0]['m']}x{ranked[0]['n']}x{ranked[0]['k']}")
+        per_shape: dict[str, dict[str, Any]] = {}
+        for r in ranked:
+            per_shape.setdefault(f"{r['m']}x{r['n']}x{r['k']}", r)
+        bars = [(label, float(r["tflops_median"])) for label, r in list(per_shape.items())[:25]]
         parts.append(bar_chart("TFLOPS per shape around the best (median per shape, MxNxK)", bars, "TFLOPS",
-                               reference, highlight={f"{best['m']}x{best['n']}x{best['k']}"}, highlight_label="best"))
+                               reference, highlight={best_label}, highlight_label="best"))
     timeline = (m.summary.get("gpu_monitor") or {}).get("timeline") or []
     if timeline:
         clocks = [(s["t_s"], s["sm_clock_mhz"]) for s in timeline if s.get("sm_clock_mhz") is not None]
@@ -107,6 +112,14 @@ def _mamf_section(m: Measurement) -> str:
     parts.append(rows_table(ranked[:20], ["m", "n", "k", "dtype", "tflops_median", "tflops_mean", "tflops_max",
                                           "time_us_median", "iters", "phase"]))
     return "".join(parts)
+
+
+def _ranked_shapes(m: Measurement) -> list[dict[str, Any]]:
+    """Rows of the headline's phase first (the re-measured finalists), each group fastest first."""
+    headline_phase = m.summary.get("best_phase") or "final"
+    rows = [r for r in m.rows if r.get("tflops_median") is not None]
+    return sorted(rows, key=lambda r: (r.get("phase") != headline_phase, -(r.get("iters") or 0) if r.get("phase")
+                                       != headline_phase else 0, -r["tflops_median"]))
 
 
 def _membw_section(m: Measurement) -> str:
@@ -172,7 +185,7 @@ def render_report(measurements: Iterable[Measurement], title: str = "mleng repor
 
 
 def write_report(measurements: list[Measurement], path: str | Path, title: str = "mleng report") -> Path:
+    """Write the page; the folder must exist (the CLI checks the path before any work, as cp does)."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(render_report(measurements, title))
     return target

@@ -8,13 +8,28 @@ from mleng.cli.render import table
 from mleng.errors import UsageError
 from mleng.results.record import Measurement
 
-# Fields that identify a row (a shape, a size, a pair, a check) rather than measure it.
-KEY_FIELDS = ("op", "name", "check", "dtype", "m", "n", "k", "size_bytes", "bytes", "src", "dst",
-              "pair", "device", "rank", "workload", "direction", "engine", "test")
+# Fields that identify a row (a shape, a size, a pair, a check) rather than measure it. Every one of
+# them takes part in the key: membw's pinned and pageable rows differ only in host_memory, mamf's
+# coarse and final rows of one shape only in phase.
+KEY_FIELDS = ("op", "name", "check", "subject", "dtype", "m", "n", "k", "phase", "size_bytes", "bytes",
+              "block_bytes", "src", "dst", "pair", "device", "host", "rank", "local_rank", "target", "workload",
+              "direction", "engine", "test", "host_memory", "constant_data")
 
 
 def _row_key(row: dict[str, Any]) -> tuple:
     return tuple((f, row[f]) for f in KEY_FIELDS if f in row)
+
+
+def _keyed(rows: list[dict[str, Any]]) -> list[tuple[tuple, dict[str, Any]]]:
+    """(key, row) with the n-th repeat of a key told apart, so no two rows of one run collapse."""
+    seen: dict[tuple, int] = {}
+    out = []
+    for row in rows:
+        key = _row_key(row)
+        count = seen.get(key, 0)
+        seen[key] = count + 1
+        out.append((key + ((("repeat", count),) if count else ()), row))
+    return out
 
 
 def _numeric_fields(rows: list[dict[str, Any]]) -> list[str]:
@@ -33,11 +48,10 @@ def compare_measurements(a: Measurement, b: Measurement) -> dict[str, Any]:
     if a.kind != b.kind:
         raise UsageError(f"cannot compare a {a.kind} run with a {b.kind} run",
                          hint="compare two runs of the same kind (`mleng results list --kind KIND`)")
-    b_rows = {_row_key(r): r for r in b.rows}
+    b_rows = dict(_keyed(b.rows))
     fields = [f for f in _numeric_fields(a.rows) if f in set(_numeric_fields(b.rows))]
     rows = []
-    for row_a in a.rows:
-        key = _row_key(row_a)
+    for key, row_a in _keyed(a.rows):
         row_b = b_rows.get(key)
         if row_b is None:
             continue
@@ -74,7 +88,7 @@ def render_comparison(comparison: dict[str, Any]) -> str:
                      f"(B/A = {comparison['summary_ratio']:.3f})")
     rows = comparison["rows"]
     if rows:
-        key_columns = [c for c in KEY_FIELDS if any(c in r for r in rows)]
+        key_columns = [c for c in KEY_FIELDS + ("repeat",) if any(c in r for r in rows)]
         # Show the first few measured fields; --json has them all.
         shown = comparison["fields"][:3]
         columns = key_columns + [f"{f}{s}" for f in shown for s in ("_a", "_b", "_ratio")]

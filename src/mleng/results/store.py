@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -45,13 +47,22 @@ def default_store_path() -> Path:
 class Store:
     """A handle on the results file. Every write is one transaction."""
 
-    def __init__(self, path: str | os.PathLike | None = None):
+    def __init__(self, path: str | os.PathLike | None = None, create: bool = True):
+        """create=False: a reader's handle; a store that does not exist yet reads as empty and is not made."""
         self.path = Path(path) if path is not None else default_store_path()
+        self.create = create
         self._conn: sqlite3.Connection | None = None
 
     def __enter__(self) -> "Store":
-        self.connect()
+        if self.create or self.path.exists():
+            self.connect()
+        else:
+            self._refuse_if_not_ours_before_open()
         return self
+
+    @property
+    def exists(self) -> bool:
+        return self.path.exists()
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -65,7 +76,21 @@ class Store:
         if self._conn is not None:
             return self._conn
         self._refuse_if_not_ours_before_open()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.create and not self.path.exists():
+            raise UsageError(f"no results stored yet: {self.path} does not exist",
+                             hint="run a benchmark first, e.g. `mleng mamf`")
+        home = self.path.parent
+        for parent in (home, *home.parents):
+            if parent.exists():
+                if not parent.is_dir():
+                    raise StoreError(f"results store folder {home} cannot be made: {parent} is a file, not a folder",
+                                     hint="set MLENG_HOME to a folder (it is created if missing), or --no-store")
+                break
+        try:
+            home.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"results store folder {home} cannot be made: {exc.strerror or exc}",
+                             hint="set MLENG_HOME to a folder you can write to, or pass --no-store") from None
         try:
             conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
             conn.execute("PRAGMA busy_timeout = 30000")
@@ -79,6 +104,10 @@ class Store:
         return conn
 
     def _refuse_if_not_ours_before_open(self) -> None:
+        blocking = next((p for p in self.path.parents if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            raise StoreError(f"results store folder {self.path.parent} cannot be used: {blocking} is a file, not a folder",
+                             hint="set MLENG_HOME to a folder (it is created if missing), or --no-store")
         if not self.path.exists():
             return
         if self.path.is_dir():
@@ -142,29 +171,40 @@ class Store:
         conn = self.connect()
         values = (m.id, m.kind, m.status, m.started_at, m.host, m.schema,
                   json.dumps(m.summary, default=str), json.dumps(record, default=str))
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with self._write(conn):
             conn.execute(
                 "INSERT OR REPLACE INTO measurements (id, kind, status, started_at, host, schema, summary, record)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?)", values)
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
         return m.id
+
+    @contextlib.contextmanager
+    def _write(self, conn: sqlite3.Connection):
+        """One write transaction; SQLite's own errors (read-only file, disk full) become a StoreError."""
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise StoreError(f"results store {self.path} cannot be written: {exc}",
+                             hint="fix the file's permissions, set MLENG_HOME to a writable folder, "
+                                  "or pass --no-store") from None
+
+    def check_writable(self) -> None:
+        """Open (creating if needed) and take the write lock once: a long run learns at its start, not its end."""
+        conn = self.connect()
+        with self._write(conn):
+            pass
 
     def delete(self, measurement_id: str) -> None:
         full_id = self.resolve_id(measurement_id)
         conn = self.connect()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with self._write(conn):
             conn.execute("DELETE FROM measurements WHERE id = ?", (full_id,))
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
 
     # -- reads --------------------------------------------------------------------------------
     def list(self, kind: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
@@ -181,13 +221,15 @@ class Store:
             sql += " LIMIT ?"
             args.append(int(limit))
         rows = []
-        for id_, kind_, status, started_at, host, summary in conn.execute(sql, args):
+        for id_, kind_, status, started_at, host, summary in conn.execute(sql, args):  # noqa: B007
             rows.append({"id": id_, "kind": kind_, "status": status, "started_at": started_at,
                          "host": host, "summary": json.loads(summary)})
         return rows
 
     def resolve_id(self, measurement_id: str) -> str:
         """Accept a full id or a unique prefix, or 'last' for the newest."""
+        if not measurement_id.strip():
+            raise UsageError("the run id is empty", hint="`mleng results list` shows the stored ids; 'last' is the newest")
         conn = self.connect()
         if measurement_id == "last":
             row = conn.execute("SELECT id FROM measurements ORDER BY started_at DESC, id DESC LIMIT 1").fetchone()
@@ -226,3 +268,30 @@ def save_measurement(measurement: Measurement, store_path: str | os.PathLike | N
     """Save one record in the default (or given) store; the usual call at the end of a run."""
     with Store(store_path) as store:
         return store.save(measurement)
+
+
+def check_store_writable(store_path: str | os.PathLike | None = None) -> None:
+    """Before a long run: StoreError now, rather than a finished measurement with nowhere to go.
+    A store that does not exist yet is not created here (a run refused later leaves nothing behind):
+    the nearest existing folder on its path must take a new file."""
+    store = Store(store_path)
+    if store.path.exists():
+        with store:
+            store.check_writable()
+        return
+    store._refuse_if_not_ours_before_open()
+    ancestor = next(p for p in store.path.parents if p.exists())
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".mleng-write-probe-", dir=ancestor)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise StoreError(f"results store {store.path} cannot be created: {ancestor} is not writable "
+                         f"({exc.strerror or exc})",
+                         hint="set MLENG_HOME to a folder you can write to, or pass --no-store") from None
+
+
+def kinds_stored(store: "Store") -> dict[str, int]:
+    if not store.exists:
+        return {}
+    return dict(store.connect().execute("SELECT kind, COUNT(*) FROM measurements GROUP BY kind").fetchall())
