@@ -55,12 +55,22 @@ def generate(path: Path, size_bytes: int, seed: int = 0) -> dict:
     return {"lines": lines, "planted": planted}
 
 
+def _timed(command: list[str], env: dict | None = None) -> tuple[float, subprocess.CompletedProcess]:
+    started = time.perf_counter()
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    return time.perf_counter() - started, proc
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--log", help="reuse this log instead of generating one")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each command; the median is reported")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "triage_big_log.json"))
     args = parser.parse_args()
+    from mleng.handbook.index import open_index
+    from mleng.handbook.triage import Matcher
+
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(args.log) if args.log else Path(tmp) / "big.log"
         gen = {}
@@ -68,30 +78,56 @@ def main() -> int:
             started = time.perf_counter()
             gen = generate(log, args.size_mib << 20)
             gen["generate_s"] = round(time.perf_counter() - started, 1)
-        env = dict(os.environ, MLENG_HOME=str(Path(tmp) / "home"))
-        # Warm the index cache first so the timing is the scan.
+        env = dict(os.environ, MLENG_HOME=str(Path(tmp) / "home"), LC_ALL="C")
+        # Warm the index cache and the page cache first so every timing is the scan.
         subprocess.run([sys.executable, "-m", "mleng", "ask", "x"], env=env, capture_output=True)
-        started = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "mleng", "triage", str(log), "--json"], env=env,
-                              capture_output=True, text=True)
-        wall = time.perf_counter() - started
-        peak_rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-        if proc.returncode not in (0, 1):
-            print(proc.stderr, file=sys.stderr)
+        subprocess.run(["cat", str(log)], stdout=subprocess.DEVNULL)
+        index = open_index(None, Path(tmp) / "home" / "handbook-index.sqlite")
+        entries = [e.data for e in index.entries]
+        matcher = Matcher(entries, [e.anchors for e in index.entries])
+        index.close()
+        # The peer: grep -E with the signatures of the entries mleng finds in this log, and
+        # grep -F with every anchor mleng scans for (the same work as mleng's first pass).
+        probe = subprocess.run([sys.executable, "-m", "mleng", "triage", str(log), "--json"], env=env,
+                               capture_output=True, text=True)
+        if probe.returncode not in (0, 1):
+            print(probe.stderr, file=sys.stderr)
             return 2
-        report = json.loads(proc.stdout)
+        report = json.loads(probe.stdout)
+        found_ids = {f["entries"][0]["id"] for f in report["findings"]}
+        signatures = [s for e in entries if e["id"] in found_ids for s in e["signatures"]]
+        (Path(tmp) / "signatures.txt").write_text("\n".join(signatures) + "\n")
+        (Path(tmp) / "anchors.txt").write_bytes(b"\n".join(matcher.anchor_words) + b"\n")
+        commands = {
+            "mleng triage": [sys.executable, "-m", "mleng", "triage", str(log), "--json"],
+            f"grep -E ({len(signatures)} signatures)": ["grep", "-a", "-c", "-E", "-f", str(Path(tmp) / "signatures.txt"),
+                                                         str(log)],
+            f"grep -F -i ({len(matcher.anchor_words)} anchors)": ["grep", "-a", "-c", "-F", "-i", "-f",
+                                                                   str(Path(tmp) / "anchors.txt"), str(log)],
+        }
         size = log.stat().st_size
+        rows = {}
+        for name, command in commands.items():
+            times = sorted(_timed(command, env)[0] for _ in range(args.repeat))
+            rows[name] = {"wall_s": round(times[len(times) // 2], 3), "min_s": round(times[0], 3),
+                          "max_s": round(times[-1], 3), "mb_s": round(size / 1e6 / times[len(times) // 2], 1)}
+        peak_rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    grep_e = next(v for k, v in rows.items() if k.startswith("grep -E"))
     result = {"command": " ".join(sys.argv), "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
-              "bytes": size, "lines": report["lines"], "wall_s": round(wall, 2),
-              "scan_s": report["elapsed_s"], "throughput_mb_s": round(size / 1e6 / report["elapsed_s"], 1),
-              "peak_rss_mib": round(peak_rss_mib, 1), "findings": len(report["findings"]),
+              "engine": matcher.scan.name if matcher.scan else None, "bytes": size, "lines": report["lines"],
+              "rows": rows, "ratio_to_grep_e": round(rows["mleng triage"]["wall_s"] / grep_e["wall_s"], 2),
+              "peak_rss_mib_any_child": round(peak_rss_mib, 1), "findings": len(report["findings"]),
               "finding_counts": [f["count"] for f in report["findings"]], **gen}
-    print(f"{'log size':>12} {'lines':>12} {'wall s':>8} {'scan s':>8} {'MB/s':>8} {'peak RSS MiB':>13} {'findings':>9}")
-    print(f"{size / 2**30:>10.2f} GiB {result['lines']:>12,} {result['wall_s']:>8.2f} {result['scan_s']:>8.2f} "
-          f"{result['throughput_mb_s']:>8.1f} {result['peak_rss_mib']:>13.1f} {result['findings']:>9}")
+    print(f"log: {size / 2**20:.0f} MiB, {report['lines']:,} lines; scan engine {result['engine']}; "
+          f"median of {args.repeat} runs, whole process, page cache warm")
+    print(f"{'command':<34} {'wall s':>8} {'min':>7} {'max':>7} {'MB/s':>8}")
+    for name, row in rows.items():
+        print(f"{name:<34} {row['wall_s']:>8.3f} {row['min_s']:>7.3f} {row['max_s']:>7.3f} {row['mb_s']:>8.1f}")
+    print(f"mleng triage / grep -E: {result['ratio_to_grep_e']:.2f}x; peak RSS of any child "
+          f"{result['peak_rss_mib_any_child']:.1f} MiB")
     if gen:
         print(f"planted failure lines: {gen['planted']}, found: {sum(result['finding_counts'])}")
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
 

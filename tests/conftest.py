@@ -22,6 +22,12 @@ def run_mleng(mleng_home):
         full_env = dict(os.environ)
         full_env["MLENG_HOME"] = str(mleng_home)
         full_env.update(env or {})
+        if isinstance(input, bytes):   # raw bytes on stdin (a compressed or binary log); text back
+            proc = subprocess.run([sys.executable, "-m", "mleng", *args], capture_output=True,
+                                  timeout=timeout, env=full_env, input=input)
+            proc.stdout = proc.stdout.decode("utf-8", "replace")
+            proc.stderr = proc.stderr.decode("utf-8", "replace")
+            return proc
         return subprocess.run([sys.executable, "-m", "mleng", *args], capture_output=True, text=True,
                               timeout=timeout, env=full_env, input=input)
 

@@ -19,6 +19,7 @@ from mleng.handbook.index import open_index
 from mleng.handbook.lint import lint
 from mleng.handbook.model import load_entries
 from mleng.handbook.search import RESULT_FIELDS, evaluate, rank
+from mleng.handbook import triage as triage_module
 from mleng.handbook.triage import Matcher, attribute, triage_stream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -420,28 +421,103 @@ def test_triage_lines_across_block_boundaries(book, monkeypatch):
     assert finding.ranks == {"7"}
 
 
-def test_triage_file_in_parallel_equals_serial(book, tmp_path, monkeypatch):
-    from mleng.handbook import triage as triage_module
-
-    write_entry(book, "alpha-entry")
-    write_entry(book, "beta-entry")
-    matcher = Matcher([e.to_dict() for e in load_entries(book)[0]])
-    log = tmp_path / "split.log"
-    with log.open("w") as f:
+def _triage_log(path) -> None:
+    with path.open("w") as f:
         for i in range(3000):
             f.write(f"[rank{i % 4}]: step {i} loss 2.0\n")
             if i % 700 == 5:
                 f.write(f"[rank{i % 4}]: the alpha-entry failure happened at {i}\n")
             if i == 2999:
                 f.write("node9: the beta-entry failure happened\n")
+
+
+def _summary(result):
+    return [(f.entry_ids, f.first_line, f.last_line, f.count, f.ranks, f.hosts) for f in result.findings]
+
+
+@pytest.mark.parametrize("engine", sorted(triage_module.SCAN_ENGINES))
+def test_every_scan_engine_finds_the_same(book, tmp_path, engine):
+    """Hyperscan, Aho-Corasick and the re fallback give one result."""
+    write_entry(book, "alpha-entry")
+    write_entry(book, "beta-entry")
+    entries = [e.to_dict() for e in load_entries(book)[0]]
+    log = tmp_path / "split.log"
+    _triage_log(log)
+    pytest.importorskip({"hyperscan": "hyperscan", "aho-corasick": "ahocorasick_rs"}.get(engine, "re"))
+    result = triage_module.triage_file(str(log), Matcher(entries, engine=engine))
+    assert result.engine == engine and result.lines == 3006
+    assert _summary(result) == _summary(triage_module.triage_file(str(log), Matcher(entries, engine="re")))
+    assert result.findings[0].count == 5 and result.findings[1].hosts == {"node9"}
+
+
+def test_triage_file_in_parallel_equals_serial(book, tmp_path, monkeypatch):
+    write_entry(book, "alpha-entry")
+    write_entry(book, "beta-entry")
+    matcher = Matcher([e.to_dict() for e in load_entries(book)[0]])
+    log = tmp_path / "split.log"
+    _triage_log(log)
     with log.open("rb") as f:
         serial = triage_stream(f, matcher)
     monkeypatch.setattr(triage_module, "MIN_BYTES_PER_WORKER", 1000)
     parallel = triage_module.triage_file(str(log), matcher, workers=3)
     assert parallel.lines == serial.lines == 3006
-    assert [(f.entry_ids, f.first_line, f.last_line, f.count, f.ranks, f.hosts) for f in parallel.findings] == \
-           [(f.entry_ids, f.first_line, f.last_line, f.count, f.ranks, f.hosts) for f in serial.findings]
+    assert _summary(parallel) == _summary(serial)
     assert parallel.findings[0].count == 5 and parallel.findings[1].hosts == {"node9"}
+
+
+@pytest.mark.parametrize("compress", ["gzip", "xz", "bzip2", "zstd"])
+def test_triage_reads_compressed_logs(book, tmp_path, run_mleng, compress):
+    tool = shutil.which(compress)
+    if tool is None:
+        pytest.skip(f"{compress} is not installed")
+    write_entry(book, "alpha-entry")
+    write_entry(book, "beta-entry")
+    log = tmp_path / "train.log"
+    _triage_log(log)
+    subprocess.run([tool, "-k", str(log)], check=True)
+    packed = next(p for p in tmp_path.iterdir() if p.name.startswith("train.log."))
+    env = {"MLENG_HANDBOOK_DIR": str(book)}
+    plain = json.loads(run_mleng("triage", str(log), "--json", env=env).stdout)
+    result = run_mleng("triage", str(packed), "--json", env=env)
+    assert result.returncode == 1, result.stderr
+    data = json.loads(result.stdout)
+    assert data["findings"] == plain["findings"] and data["lines"] == 3006
+    piped = run_mleng("triage", "-", "--json", input=packed.read_bytes(), env=env)
+    assert json.loads(piped.stdout)["findings"] == plain["findings"]
+    cut = tmp_path / f"cut{packed.suffix}"
+    cut.write_bytes(packed.read_bytes()[:len(packed.read_bytes()) // 2])
+    damaged = run_mleng("triage", str(cut), env=env)
+    assert damaged.returncode == 2 and "damaged or truncated" in damaged.stderr
+    assert "Traceback" not in damaged.stderr and damaged.stdout == ""
+
+
+def test_triage_refuses_binary_input(book, tmp_path, run_mleng):
+    write_entry(book, "alpha-entry")
+    env = {"MLENG_HANDBOOK_DIR": str(book)}
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 64 + b"the alpha-entry failure happened\n")
+    for args, kwargs in (((str(binary),), {}), (("-",), {"input": binary.read_bytes()})):
+        result = run_mleng("triage", *args, env=env, **kwargs)
+        assert result.returncode == 2 and "is not a text log" in result.stderr, result.stderr
+        assert "no known problem" not in result.stdout and "Traceback" not in result.stderr
+    folder = run_mleng("triage", str(tmp_path), env=env)
+    assert folder.returncode == 2 and "is a directory" in folder.stderr
+
+
+def test_triage_finds_errors_inside_carriage_return_progress_lines(book, tmp_path):
+    """A SLURM .out file: a progress bar rewrites one line with '\\r' for megabytes; the error sits in it."""
+    write_entry(book, "alpha-entry")
+    matcher = Matcher([e.to_dict() for e in load_entries(book)[0]])
+    progress = "".join(f"\r  {i % 100}%|####      | {i}/500000 [00:01<00:10, 9.1it/s]" for i in range(120_000))
+    log = tmp_path / "slurm-1234.out"
+    log.write_text("start\n" + progress + "\r[rank3]: the alpha-entry failure happened mid-bar" + progress
+                   + "\nafter\n")
+    assert log.stat().st_size > 12 << 20   # longer than one block and than the old 1 MiB line limit
+    result = triage_module.triage_file(str(log), matcher)
+    assert result.lines == 3
+    (finding,) = result.findings
+    assert (finding.first_line, finding.count, finding.ranks) == (2, 1, {"3"})
+    assert finding.example == "[rank3]: the alpha-entry failure happened mid-bar"
 
 
 def test_attribute_prefixes():

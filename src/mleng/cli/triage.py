@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from mleng.errors import UsageError
@@ -15,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from mleng.cli.ask import warn_skipped
     from mleng.handbook.index import open_index
-    from mleng.handbook.triage import Matcher, finding_to_dict, triage_file, triage_stream
+    from mleng.handbook.triage import Matcher, NotText, finding_to_dict, open_log, triage_compressed, triage_file
 
     index = open_index()
     try:
@@ -25,16 +26,21 @@ def run(args: argparse.Namespace) -> int:
     finally:
         index.close()
     warn_skipped(skipped, "triage")
-    if args.logfile == "-":
-        result = triage_stream(sys.stdin.buffer, matcher)
-        source = "<stdin>"
-    else:
-        try:
+    source = "<stdin>" if args.logfile == "-" else args.logfile
+    try:
+        if args.logfile == "-":
+            stream, kind = open_log(sys.stdin.buffer)
+            result = triage_compressed(stream, matcher, kind)
+        else:
             result = triage_file(args.logfile, matcher)
-        except OSError as exc:
-            raise UsageError(f"cannot read {args.logfile}: {exc.strerror or exc}",
-                             hint="pass a readable log file, or '-' to read stdin") from None
-        source = args.logfile
+    except NotText as exc:
+        raise UsageError(f"{source} is not a text log: {exc}",
+                         hint="pass the job's text log (plain, .gz, .xz, .bz2 or .zst)") from None
+    except OSError as exc:
+        if os.path.isdir(args.logfile):
+            raise UsageError(f"{args.logfile} is a directory", hint="pass a log file inside it") from None
+        raise UsageError(f"cannot read {args.logfile}: {exc.strerror or exc}",
+                         hint="pass a readable log file, or '-' to read stdin") from None
     entries_by_id = {e["id"]: e for e in entries}
     findings = [finding_to_dict(f, entries_by_id) for f in result.findings]
     if args.json:
