@@ -1,4 +1,5 @@
-"""Each doctor check on recorded fingerprints, failing cases included, and a real doctor run here."""
+"""Each doctor check on the fixture fingerprints (modelled by generate.py, or recorded: each file's _provenance),
+failing cases included, and a real doctor run here."""
 
 import copy
 import json
@@ -164,7 +165,7 @@ def test_disk_check_on_a_real_directory(tmp_path):
     assert checks.check_disk(str(tmp_path / "missing"))[0].severity == "inconclusive"
 
 
-def test_doctor_on_a_recorded_fingerprint_exits_1_and_points_at_the_handbook(run_mleng):
+def test_doctor_on_a_modelled_fingerprint_exits_1_and_points_at_the_handbook(run_mleng):
     result = run_mleng("doctor", "--fingerprint", str(FIXTURES / "h200_pcie_downtrained.json"), "--json")
     assert result.returncode == 1, result.stderr
     record = json.loads(result.stdout)
@@ -181,7 +182,7 @@ def test_doctor_bad_fingerprint_file(run_mleng, tmp_path):
     assert result.returncode == 2 and "cannot read fingerprint" in result.stderr
 
 
-def test_doctor_on_this_cpu_machine_completes_in_time(run_mleng, tmp_path):
+def test_doctor_default_tier_on_this_cpu_machine_finishes_in_about_a_minute(run_mleng, tmp_path):
     started = time.monotonic()
     report = tmp_path / "doctor.html"
     result = run_mleng("doctor", "--json", "--checkpoint-dir", str(tmp_path), "--report", str(report), timeout=300)
@@ -196,4 +197,6 @@ def test_doctor_on_this_cpu_machine_completes_in_time(run_mleng, tmp_path):
     assert result.returncode in (0, 1)
     page = report.read_text()
     assert "busbw against message size" in page and "TFLOPS per shape around the best" in page
-    print(f"doctor on this machine: {elapsed:.1f} s")
+    # The README promises the default tier in "about a minute on a CPU machine" (measured 40 s here while
+    # other tests ran); twice that is the most a 2-core machine under test load may take.
+    assert elapsed < 120, f"doctor's default tier took {elapsed:.1f} s"

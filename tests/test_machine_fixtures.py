@@ -1,4 +1,8 @@
-"""The recorded fingerprints under tests/fixtures/fingerprints have exactly the shape collect() returns."""
+"""The fingerprint fixtures have exactly the shape collect() returns, and each says where it comes from.
+
+h200_* (8 GPUs) are modelled by generate.py; cpu_only is recorded on this project's CPU VM; h200_vm_* are
+recorded on a lent one-GPU H200 VM. Each file carries that in "_provenance", which the loaders drop.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mleng.machine import nvml, software, system
-from mleng.machine.fingerprint import TOP_LEVEL_KEYS, collect
+from mleng.machine.fingerprint import TOP_LEVEL_KEYS, collect, without_annotations
 
 FIXTURES = Path(__file__).parent / "fixtures" / "fingerprints"
 NAMES = ["h200_healthy", "h200_throttled", "h200_pcie_downtrained", "h200_nvlink_down", "h200_ecc_errors",
@@ -20,7 +24,16 @@ RECORDED = ["h200_vm_idle", "h200_vm_load"]
 
 
 def load(name: str) -> dict:
-    return json.loads((FIXTURES / f"{name}.json").read_text())
+    return without_annotations(json.loads((FIXTURES / f"{name}.json").read_text()))
+
+
+@pytest.mark.parametrize("name", NAMES + RECORDED)
+def test_every_fixture_says_whether_it_is_recorded_or_modelled(name):
+    provenance = json.loads((FIXTURES / f"{name}.json").read_text())["_provenance"]
+    if name in RECORDED or name == "cpu_only":
+        assert provenance.startswith("recorded: ") and "VM" in provenance
+    else:
+        assert provenance.startswith("modelled, not recorded: written by tests/fixtures/fingerprints/generate.py")
 
 
 @pytest.fixture(scope="module")

@@ -38,8 +38,10 @@ def _load_fingerprint(path: str) -> dict:
     if not isinstance(data, dict) or "gpus" not in data:
         raise UsageError(f"{path} is not an mleng fingerprint (no 'gpus' section)",
                          hint="pass the output of `mleng env --json`")
-    return data.get("machine", data) if "schema" in data and str(data["schema"]).startswith("mleng.measurement") \
-        else data
+    from mleng.machine.fingerprint import without_annotations
+
+    return without_annotations(data.get("machine", data) if "schema" in data
+                               and str(data["schema"]).startswith("mleng.measurement") else data)
 
 
 def _linked_measurements(record) -> list:

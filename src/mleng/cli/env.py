@@ -46,7 +46,9 @@ def load_fingerprint(path: str) -> dict[str, Any]:
     if not isinstance(data, dict) or "host" not in data or "gpus" not in data:
         raise UsageError(f"{path} is not an mleng fingerprint (no 'host' and 'gpus' keys)",
                          "write one with `mleng env --json > FILE`")
-    return data
+    from mleng.machine.fingerprint import without_annotations
+
+    return without_annotations(data)
 
 
 def format_bytes(value: Any) -> str:

@@ -128,3 +128,9 @@ def collect_for_record(gpus: bool = True) -> dict[str, Any]:
         return collect(gpus=gpus)
     except Exception as exc:  # noqa: BLE001 - reported in the record instead of raised
         return {"error": f"fingerprint failed: {type(exc).__name__}: {exc}"}
+
+
+def without_annotations(data: dict[str, Any]) -> dict[str, Any]:
+    """A fingerprint read from a file, without keys that annotate the file rather than the machine
+    (the test fixtures' "_provenance": recorded where, or modelled by what)."""
+    return {k: v for k, v in data.items() if not str(k).startswith("_")}
