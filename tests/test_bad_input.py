@@ -757,3 +757,25 @@ def test_report_marks_one_best_bar_and_puts_the_headline_first(seed_store):
     first = _ranked_shapes(m)[0]
     assert first["phase"] == m.summary["best_phase"]
     assert (first["m"], first["n"], first["k"]) == (m.summary["m"], m.summary["n"], m.summary["k"])
+
+
+@pytest.mark.parametrize("sig,name", [(signal.SIGINT, "Ctrl-C (SIGINT)"), (signal.SIGTERM, "SIGTERM")])
+def test_comm_stopped_by_a_signal_says_so_once_and_keeps_its_rows(tmp_path, sig, name):
+    """Ctrl-C in a terminal (or scancel) signals every rank: one message, not one per rank plus the launcher's."""
+    home = tmp_path / "home"
+    proc = subprocess.Popen([sys.executable, "-m", "mleng", "comm", "--nproc", "2", "-b", "1M", "-e", "64M",
+                             "--iters", "50", "--repeats", "5", "--timeout", "60"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_clean_env(home), cwd=tmp_path,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # wait for the first measured row
+        line = proc.stdout.readline()
+        if re.match(r"^\s+\d+\s+\d+\s+float32", line):
+            break
+    os.killpg(proc.pid, sig)
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 128 + sig, err
+    assert err.strip() == f"mleng comm: interrupted by {name}", err
+    assert "status: interrupted" in out
+    (stored,) = json.loads(_mleng("results", "list", "--json", home=home).stdout)["results"]
+    assert stored["status"] == "interrupted" and stored["summary"]["value"] > 0

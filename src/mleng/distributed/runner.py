@@ -9,6 +9,7 @@ from typing import Callable
 
 from mleng.distributed.launch import Launch, default_nproc, detect
 from mleng.distributed.spawn import spawn_local
+from mleng import signals
 from mleng.errors import MlengError, UsageError
 
 
@@ -45,15 +46,22 @@ def run_as_ranks(command: str, argv: list[str], nproc: int | None, timeout_s: fl
         result = spawn_local(strip_nproc(argv), nproc, grace_s=min(timeout_s, 30.0) + 5.0)
         failures = result.failures()
         # Rank 0 explains its own exit; the launcher speaks only of ranks that died or failed besides it.
-        others = [e for e in result.exits if e.returncode != 0 and (e.rank != 0 or e.returncode < 0)]
-        if others or result.interrupted:
+        # After Ctrl-C or SIGTERM, a rank that ended with 128+signal ended cleanly: it kept its rows.
+        clean = {0} | ({signals.exit_code(), 130, 143} if result.interrupted else set())
+        others = [e for e in result.exits if e.returncode not in clean and (e.rank != 0 or e.returncode < 0)]
+        if others:
             print(f"mleng {command}: {len(failures)} of {nproc} ranks did not end cleanly: "
                   + "; ".join(failures), file=sys.stderr)
         return result.exit_code
     if nproc and launch.rank == 0 and nproc != launch.world_size:
         print(f"mleng {command}: note: --nproc {nproc} ignored; the {launch.mode} launch has "
               f"{launch.world_size} ranks", file=sys.stderr)
-    return rank_body(launch)
+    try:
+        return rank_body(launch)
+    except KeyboardInterrupt:
+        if launch.rank != 0:
+            return signals.exit_code()  # rank 0 speaks for the job: one message, not one per rank
+        raise
 
 
 def fingerprint(gpus: bool) -> dict:
@@ -101,7 +109,11 @@ class StopSignals:
     def _handler(self, signum, frame):
         import signal
 
+        from mleng import signals
+
         self.received = signal.Signals(signum).name
+        if signals.received is None:
+            signals.received = signum  # so the CLI names the signal and exits 128+signal
         for sig in self._previous:
             signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt

@@ -42,7 +42,9 @@ class SpawnResult:
     @property
     def exit_code(self) -> int:
         if self.interrupted:
-            return 130
+            from mleng import signals
+
+            return signals.exit_code()
         if self.first_failure is None:
             return 0
         rank0 = self.exits[0].returncode
@@ -102,7 +104,11 @@ def _watch(procs: list[subprocess.Popen], pumps: list[threading.Thread], grace_s
     previous_term = signal.getsignal(signal.SIGTERM)
 
     def on_term(signum, frame):  # a scheduler stopping us stops the ranks too
-        raise KeyboardInterrupt
+        from mleng import signals
+
+        if signals.received is None:
+            signals.received = signum
+            raise KeyboardInterrupt
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_term)
@@ -131,10 +137,12 @@ def _watch(procs: list[subprocess.Popen], pumps: list[threading.Thread], grace_s
             except KeyboardInterrupt:
                 # Ranks started from a terminal got the same SIGINT; forward it for those that did not,
                 # then give them the grace period to save what they measured.
+                from mleng import signals
+
                 interrupted = True
                 for rank, proc in enumerate(procs):
                     if rank not in exits and proc.poll() is None:
-                        proc.send_signal(signal.SIGINT)
+                        proc.send_signal(signals.received or signal.SIGINT)  # the signal we got, named right
                 if stop_at is None or stop_at > time.monotonic() + grace_s:
                     stop_at = time.monotonic() + grace_s
     finally:
