@@ -779,3 +779,15 @@ def test_comm_stopped_by_a_signal_says_so_once_and_keeps_its_rows(tmp_path, sig,
     assert "status: interrupted" in out
     (stored,) = json.loads(_mleng("results", "list", "--json", home=home).stdout)["results"]
     assert stored["status"] == "interrupted" and stored["summary"]["value"] > 0
+
+
+def test_sigterm_during_doctor_keeps_the_checks_and_the_measurements_run_so_far(tmp_path):
+    home = tmp_path / "home"
+    proc = _start(["doctor", "--quick", "--checkpoint-dir", str(tmp_path)], home, tmp_path)
+    _wait_for_line(proc, "measure collective", timeout=120)  # the matmul measurement is done and stored
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and "interrupted by SIGTERM" in out and "checkpoint_disk" in out
+    stored = {r["kind"]: r["status"] for r in json.loads(_mleng("results", "list", "--json", home=home).stdout)["results"]}
+    assert stored.get("doctor") == "interrupted" and stored.get("mamf") == "complete", stored

@@ -164,6 +164,8 @@ def render(record, stored: str | None = None) -> str:
             if row.get("handbook"):
                 lines.append(f"{'':23}read: " + ", ".join(f"mleng handbook show {h}" for h in row["handbook"][:3]))
     counts = record.summary["counts"]
+    if record.status == "interrupted":
+        lines += ["", f"{record.error}"]
     lines += ["", f"verdict: {record.summary['verdict'].upper()}  ({counts['fail']} fail, {counts['warn']} warn, "
               f"{counts['ok']} ok, {counts['inconclusive']} inconclusive, {counts['skipped']} not applicable)",
               f"stored as {stored} (mleng results show {stored})" if stored else "not stored"]

@@ -38,11 +38,27 @@ def _measurement_plan(tier: str, has_gpu: bool, checkpoint_dir: str) -> list[tup
 def run_mleng_json(argv: list[str], timeout_s: float) -> dict[str, Any]:
     """Run one mleng command in its own process, so a crash or hang there cannot take the doctor down."""
     started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "mleng", *argv, "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        done = subprocess.run([sys.executable, "-m", "mleng", *argv, "--json"], capture_output=True, text=True,
-                              timeout=timeout_s, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         return {"error": f"did not finish within {timeout_s:.0f} s", "elapsed_s": time.monotonic() - started}
+    except KeyboardInterrupt:
+        # Stopped (Ctrl-C, SIGTERM): pass it on as SIGTERM, so the measurement ends the way it does when
+        # run alone (its ranks stopped, its rows kept and stored), instead of being killed mid-write.
+        import signal
+
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     elapsed = time.monotonic() - started
     try:
         record = json.loads(done.stdout)
