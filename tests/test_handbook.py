@@ -196,7 +196,7 @@ def test_index_cache_is_reused_rebuilt_when_stale_and_when_corrupt(book, tmp_pat
 def test_default_cache_lives_in_mleng_home(book, mleng_home, run_mleng):
     write_entry(book, "first-entry")
     result = run_mleng("ask", "first-entry failure happened", env={"MLENG_HANDBOOK_DIR": str(book)})
-    assert result.returncode == 0, result.stderr
+    assert result.returncode in (0, 1), result.stderr
     assert (mleng_home / "handbook-index.sqlite").is_file()
 
 
@@ -204,7 +204,7 @@ def test_unwritable_cache_location_still_answers(book, tmp_path, run_mleng):
     write_entry(book, "first-entry")
     not_a_dir = tmp_path / "home-is-a-file"
     not_a_dir.write_text("x")
-    result = run_mleng("ask", "the first-entry failure happened", "--json",
+    result = run_mleng("ask", "the first-entry failure happened on rank 3", "--json",
                        env={"MLENG_HANDBOOK_DIR": str(book), "MLENG_HOME": str(not_a_dir)})
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["results"][0]["id"] == "first-entry"
@@ -223,7 +223,7 @@ def test_malformed_entry_is_skipped_with_a_warning(book, run_mleng, tmp_path):
     (book / "broken.md").write_text("---\nid: broken\ntitle: [unclosed\n---\n")
     write_entry(book, "bad-regex-entry", signatures=["(unclosed"])
     env = {"MLENG_HANDBOOK_DIR": str(book)}
-    ask = run_mleng("ask", "RuntimeError: the good-entry failure happened", "--json", env=env)
+    ask = run_mleng("ask", "RuntimeError: the good-entry failure happened on rank 3", "--json", env=env)
     assert ask.returncode == 0, ask.stderr
     assert json.loads(ask.stdout)["results"][0]["id"] == "good-entry"
     assert "broken.md" in ask.stderr and "bad-regex-entry.md" in ask.stderr and "Traceback" not in ask.stderr
@@ -264,20 +264,22 @@ def test_ask_json_contract_and_hostile_queries(book, run_mleng):
     write_entry(book, "first-entry")
     write_entry(book, "second-entry")
     env = {"MLENG_HANDBOOK_DIR": str(book)}
-    result = run_mleng("ask", "RuntimeError: the first-entry failure happened after 600021 ms", "--json",
+    result = run_mleng("ask", "RuntimeError: the first-entry failure happened on rank 3 after 600021 ms", "--json",
                        "--limit", "1", env=env)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert set(data) == {"query", "results"}
+    assert set(data) == {"query", "confident", "results"} and data["confident"] is True
     assert len(data["results"]) == 1
-    assert list(data["results"][0]) == list(RESULT_FIELDS)
+    assert list(data["results"][0]) == [*RESULT_FIELDS, "matched", "confident"]
+    matched = data["results"][0]["matched"]
+    assert matched["signatures"] == ["the first-entry failure happened"] and "rank" in matched["domain"]
     assert data["results"][0]["id"] == "first-entry"
     for hostile in ['"', 'a:b', '(', '*', 'foo -bar', 'x-y-z*', 'NEAR(a b)', 'x AND OR NOT y', '"unclosed', "\x01\x02", "🙂"]:
         r = run_mleng("ask", hostile, "--json", env=env)
-        assert r.returncode == 0, (hostile, r.stderr)
+        assert r.returncode in (0, 1), (hostile, r.stderr)
         assert "results" in json.loads(r.stdout)
     nul = run_mleng("ask", "-", "--json", input="the first-entry\x00 failure happened", env=env)
-    assert nul.returncode == 0 and json.loads(nul.stdout)["results"][0]["id"] == "first-entry"
+    assert nul.returncode in (0, 1) and json.loads(nul.stdout)["results"][0]["id"] == "first-entry"
     empty = run_mleng("ask", "   ", env=env)
     assert empty.returncode == 2 and "empty" in empty.stderr
     bad_limit = run_mleng("ask", "x", "--limit", "0", env=env)
@@ -286,12 +288,53 @@ def test_ask_json_contract_and_hostile_queries(book, run_mleng):
 
 def test_ask_reads_stdin_and_prints_human_output(book, run_mleng):
     write_entry(book, "first-entry")
-    result = run_mleng("ask", "-", input="the first-entry failure happened\n",
+    result = run_mleng("ask", "-", input="the first-entry failure happened on rank 3\n",
                        env={"MLENG_HANDBOOK_DIR": str(book)})
     assert result.returncode == 0, result.stderr
     for part in ("Title of first-entry", "why: The first-entry cause.", "confirm:", "echo confirm",
                  "fix:", "echo fix", "sources: https://example.org/issue/1", "id: first-entry"):
         assert part in result.stdout
+
+
+def test_ask_says_when_it_does_not_know(book, run_mleng):
+    """No confident match: the first line says so, nearest entries are 'possibly related', exit 1."""
+    write_entry(book, "first-entry")
+    env = {"MLENG_HANDBOOK_DIR": str(book)}
+    for query in ("hello world", "TypeError: unsupported operand type(s) for +: 'int' and 'str'"):
+        human = run_mleng("ask", query, env=env)
+        assert human.returncode == 1, human.stderr
+        assert human.stdout.startswith("no confident match")
+        data = json.loads(run_mleng("ask", query, "--json", env=env).stdout)
+        assert data["confident"] is False and all(not r["confident"] for r in data["results"])
+    sure = run_mleng("ask", "RuntimeError: the first-entry failure happened on rank 3", env=env)
+    assert sure.returncode == 0 and sure.stdout.startswith("1. Title of first-entry")
+    assert "matched: 1 log signature" in sure.stdout
+
+
+def test_out_of_scope_queries_are_not_confident(tmp_path):
+    """The shipped handbook on chit-chat, noise and other software's errors (dev set; the frozen one
+    is measured by bench/handbook_search.py): at most 10% confident."""
+    from mleng.handbook.search import search
+
+    cases = yaml.safe_load((ROOT / "tests" / "handbook_oos_dev.yaml").read_text())
+    assert len(cases) >= 60
+    index = open_index(ENTRIES, tmp_path / "idx.sqlite")
+    try:
+        confident = [c["query"] for c in cases if search(index, c["query"], 3)["confident"]]
+    finally:
+        index.close()
+    assert len(confident) <= 0.1 * len(cases), confident
+
+
+def test_a_short_vague_query_gets_the_diagnosis_entry_first(tmp_path):
+    index = open_index(ENTRIES, tmp_path / "idx.sqlite")
+    try:
+        assert rank(index, "training hangs at step 3000")[0]["id"] == "training-hang-diagnosis"
+        aside = ("I had an OOM earlier, but now the job fails with: NCCL WARN Error: failed to extend "
+                 "/dev/shm/nccl-Ab12 to 9637892 bytes")
+        assert "shm" in rank(index, aside)[0]["id"]
+    finally:
+        index.close()
 
 
 def test_error_codes_and_signatures_outrank_word_overlap(book):
@@ -326,7 +369,7 @@ def test_ask_does_not_import_torch(book, run_mleng):
     env = dict(os.environ, MLENG_HANDBOOK_DIR=str(book), MLENG_HOME=str(book.parent / "home"))
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "mleng", "ask", "first-entry failure"],
                           capture_output=True, text=True, env=env, timeout=60)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "sqlite3" in imported
     assert not {m for m in imported if m.split(".")[0] in ("torch", "numpy", "matplotlib")}

@@ -42,24 +42,54 @@ def run(args: argparse.Namespace) -> int:
     query = read_query(args.text)
     if not query.strip():
         raise UsageError("the text to look up is empty", hint='pass the error line: mleng ask "..."')
-    results, skipped = ask(query, limit=args.limit)
+    answer, skipped = ask(query, limit=args.limit)
     warn_skipped(skipped, "ask")
+    # Like grep: 0 when the handbook has a confident answer, 1 when it does not.
+    code = 0 if answer["confident"] else 1
     if args.json:
         from mleng.cli.render import print_json
 
-        print_json({"query": query, "results": results})
-        return 0
+        print_json({"query": query, "confident": answer["confident"], "results": answer["results"]})
+        return code
+    print(render_answer(answer))
+    return code
+
+
+def render_answer(answer: dict) -> str:
+    results = answer["results"]
     if not results:
-        print("no handbook entry matches; try the exact error line, or fewer, more specific words")
-        return 0
-    print(render_results(results))
-    return 0
+        return ("no confident match: no handbook entry shares a word with this; try the exact error line, "
+                "or fewer, more specific words")
+    if answer["confident"]:
+        return render_results(results)
+    lines = ["no confident match: the handbook does not seem to know this problem.",
+             "possibly related (the words overlap, but no signature, error code or symptom matched well):"]
+    for r in results:
+        lines.append(f"  - {r['id']}: {r['title']}  (mleng handbook show {r['id']})")
+    lines.append("paste the exact error line (the last lines of the traceback, or the first NCCL WARN) for a "
+                 "better answer")
+    return "\n".join(lines)
+
+
+def _matched(result: dict) -> str:
+    m = result["matched"]
+    parts = []
+    if m["signatures"]:
+        parts.append(f"{len(m['signatures'])} log signature{'s' if len(m['signatures']) > 1 else ''}")
+    if m["codes"]:
+        parts.append("codes " + ", ".join(m["codes"]))
+    if m["terms"]:
+        shown = m["terms"][:6]
+        parts.append("words " + ", ".join(shown) + (" ..." if len(m["terms"]) > len(shown) else ""))
+    return "; ".join(parts) or "explanation text only"
 
 
 def render_results(results: list[dict]) -> str:
     blocks = []
     for rank, r in enumerate(results, start=1):
-        lines = [f"{rank}. {r['title']}  [{r['category']}]  score {r['score']:.2f}",
+        lines = [f"{rank}. {r['title']}  [{r['category']}]  score {r['score']:.2f}"
+                 + ("" if r["confident"] else "  (weak match)"),
+                 f"   matched: {_matched(r)}",
                  f"   why: {r['cause']}"]
         lines.append("   confirm:")
         lines.extend(f"     - {c}" for c in r["confirm"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 import sqlite3
+from dataclasses import dataclass
 from pathlib import Path
 
 from mleng.handbook import terms as T
@@ -50,7 +51,8 @@ def _stems(words: list[str]) -> list[str]:
 
 def query_weights(query: str) -> dict[str, float]:
     """Each query term with its weight: 1 on error and log lines, FRAME_WEIGHT when it occurs only on
-    traceback frame lines and the source lines printed under them."""
+    traceback frame lines and the source lines printed under them, ASIDE_WEIGHT in a clause about
+    something that happened before."""
     weights: dict[str, float] = {}
     after_frame = False
     for line in query.splitlines() or [query]:
@@ -62,42 +64,71 @@ def query_weights(query: str) -> dict[str, float]:
             weight, after_frame = FRAME_WEIGHT, False   # the source line a frame prints under itself
         else:
             weight, after_frame = 1.0, False
-        for word in T.terms(line):
-            weights[word] = max(weights.get(word, 0.0), weight)
+        for clause in _CLAUSE_RE.split(line):
+            clause_weight = weight * ASIDE_WEIGHT if _ASIDE_RE.search(clause) else weight
+            for word in T.terms(clause):
+                weights[word] = max(weights.get(word, 0.0), clause_weight)
     return weights
 
 
-def _bm25_scores(index: Index, weighted: dict[str, float]) -> dict[int, float]:
-    """BM25 over the weighted columns, each query term counted with its weight.
+# A narrative aside ("I had an OOM earlier, but now ...") is about another problem than the one asked:
+# its clause counts a fraction.
+ASIDE_WEIGHT = 0.35
+_CLAUSE_RE = re.compile(r"(?<=[.;!?])\s+|,\s*(?=but\b|though\b|however\b|now\b)|\s+(?=but now\b)", re.I)
+_ASIDE_RE = re.compile(r"\b(?:earlier|previously|yesterday|last (?:week|month|time|year)|used to|in the past"
+                       r"|a while ago|before that|at first|originally|unrelated)\b", re.I)
+
+
+@dataclass
+class QueryTerms:
+    """The query's search terms as the index stores them (porter stems), each with its weight, the word
+    it came from, and in how many entries it occurs (0: a word the handbook never uses)."""
+    weight: dict[str, float]
+    word: dict[str, str]
+    df: dict[str, int]
+    entries: int
+
+    def idf(self, stem: str) -> float:
+        n = self.df.get(stem, 0)
+        return math.log(1.0 + (self.entries - n + 0.5) / (n + 0.5))
+
+
+def _bm25_scores(index: Index, weighted: dict[str, float],
+                 matched: dict[int, dict[str, set[int]]]) -> tuple[dict[int, float], QueryTerms]:
+    """BM25 over the weighted columns, each query term counted with its weight; `matched` gets, per
+    entry, the query stems it contains and in which columns.
 
     FTS5's own bm25() clamps the IDF of any term found in half of the rows to ~0; in a handbook about
     GPU clusters that silences "node", "nccl" and "gpu", which still tell entries apart. The IDF here
     is the smoothed log(1 + (N - n + 0.5) / (n + 0.5)) instead, always positive, small for common terms.
     """
     words = list(weighted)[:MAX_QUERY_TERMS]
+    total = len(index.lengths)
+    query = QueryTerms({}, {}, {}, total)
     if not words:
-        return {}
-    query: dict[str, float] = {}
+        return {}, query
     for word, stem in zip(words, _stems(words)):
-        query[stem] = max(query.get(stem, 0.0), weighted[word])
+        if weighted[word] > query.weight.get(stem, 0.0):
+            query.weight[stem], query.word[stem] = weighted[word], word
     column_weight = [COLUMN_WEIGHTS[c] for c in FTS_COLUMNS]
     frequency: dict[str, dict[int, float]] = {}
-    placeholders = ", ".join("?" * len(query))
+    placeholders = ", ".join("?" * len(query.weight))
     for term, rowid, col, tf in index.conn.execute(
-            f"SELECT term, rowid, col, tf FROM postings WHERE term IN ({placeholders})", list(query)):
+            f"SELECT term, rowid, col, tf FROM postings WHERE term IN ({placeholders})", list(query.weight)):
         per_row = frequency.setdefault(term, {})
         per_row[rowid] = per_row.get(rowid, 0.0) + column_weight[col] * tf
-    total = len(index.lengths)
+        matched.setdefault(rowid, {}).setdefault(term, set()).add(col)
     scores: dict[int, float] = {}
     for term, per_row in frequency.items():
-        idf = math.log(1.0 + (total - len(per_row) + 0.5) / (len(per_row) + 0.5))
+        query.df[term] = len(per_row)
+        idf = query.idf(term)
         for rowid, f in per_row.items():
             norm = BM25_K1 * (1 - BM25_B + BM25_B * index.lengths[rowid] / index.average_length)
-            scores[rowid] = scores.get(rowid, 0.0) + query[term] * idf * f * (BM25_K1 + 1) / (f + norm)
-    return scores
+            scores[rowid] = scores.get(rowid, 0.0) + query.weight[term] * idf * f * (BM25_K1 + 1) / (f + norm)
+    return scores, query
 
 
-def _signature_score(entry, lines: list[str], lowered: str) -> float:
+def _signature_score(entry, lines: list[str], lowered: str, hits: list[str] | None = None) -> float:
     """Signature matches, each weighted by how much of the matched text the regex fixed literally:
     'failed \\(exitcode: -9\\)' matched verbatim says more than a pattern full of wildcards."""
     found = []
@@ -113,20 +144,67 @@ def _signature_score(entry, lines: list[str], lowered: str) -> float:
             if match:
                 literal = T.literal_length(pattern)
                 found.append(0.5 + 0.5 * min(1.0, literal / max(1, len(match.group(0)))))
+                if hits is not None:
+                    hits.append(pattern)
                 break
     return SIGNATURE_WEIGHT * sum(sorted(found, reverse=True)[:MAX_SIGNATURE_HITS])
 
 
+# Columns where a shared term says the entry is about the query's problem (what users see and
+# write), rather than only mentioned in its explanation or commands.
+STRONG_COLUMNS = frozenset(FTS_COLUMNS.index(c) for c in ("title", "symptoms", "signatures", "codes", "tags", "seen"))
+
+
+@dataclass
+class Match:
+    """Why an entry matched: what `mleng ask --json` reports as `matched`, and what confidence reads."""
+    signatures: list[str]
+    codes: list[str]
+    terms: list[str]          # query words found in the entry's title, symptoms, signatures, codes or tags
+    other_terms: list[str]    # query words found only in its explanation, confirm or fix text
+    phrases: int              # word 3-grams shared with the entry's title and symptoms
+    coverage: float           # share of the query's term weight (IDF x line weight) found in strong columns
+    strong_idf: float         # the IDF mass of those strong-column matches
+    domain: list[str]         # words of the query that belong to the handbook's world (T.DOMAIN_WORDS)
+    general: bool = False     # a diagnosis entry (tag 'general') answering a short, vague query
+
+    def to_dict(self) -> dict:
+        return {"signatures": self.signatures, "codes": self.codes, "terms": self.terms,
+                "other_terms": self.other_terms, "phrases": self.phrases,
+                "coverage": round(self.coverage, 3), "strong_idf": round(self.strong_idf, 2),
+                "domain": self.domain}
+
+
+def _match(entry, query: QueryTerms, columns: dict[str, set[int]], signatures: list[str], codes: list[str],
+           phrases: int, domain: list[str]) -> Match:
+    strong = [t for t, cols in columns.items() if cols & STRONG_COLUMNS]
+    other = [t for t, cols in columns.items() if not cols & STRONG_COLUMNS]
+    mass = {t: query.weight[t] * query.idf(t) for t in query.weight}
+    total = sum(mass.values()) or 1.0
+    strong_mass = sum(mass[t] for t in strong)
+    return Match(signatures, codes, sorted(query.word[t] for t in strong), sorted(query.word[t] for t in other),
+                 phrases, strong_mass / total, sum(query.idf(t) for t in strong), domain)
+
+
 def rank(index: Index, query: str, limit: int = 5) -> list[dict]:
     """The best entries for the query text, best first, each with its score and its parts."""
+    return search(index, query, limit)["results"]
+
+
+def search(index: Index, query: str, limit: int = 5) -> dict:
+    """{"confident": bool, "results": [...]}: the best entries, best first, each with its score, its parts
+    and what matched; `confident` says whether the best one is a real answer (see `confident`)."""
     query = query[:MAX_QUERY_CHARS]
     words = T.terms(query)
-    bm25 = _bm25_scores(index, query_weights(query))
+    columns: dict[int, dict[str, set[int]]] = {}
+    bm25, terms = _bm25_scores(index, query_weights(query), columns)
     best_bm25 = max(bm25.values(), default=0.0)
     lines = [line for line in query.splitlines() if line.strip()] or [query]
     lowered = query.lower()
     query_codes = T.error_codes(query)
     query_shingles = T.shingles(words)
+    short = len(terms.weight) <= SHORT_QUERY_TERMS
+    domain = sorted(T.domain_words(words))
 
     code_df: dict[str, int] = {}
     for entry in index.entries:
@@ -136,23 +214,71 @@ def rank(index: Index, query: str, limit: int = 5) -> list[dict]:
     scored = []
     for entry in index.entries:
         text_score = bm25.get(entry.rowid, 0.0) / best_bm25 if best_bm25 > 0 else 0.0
-        signature_score = _signature_score(entry, lines, lowered)
-        code_score = sum(T.code_weight(c) / math.sqrt(code_df[c]) for c in query_codes.intersection(entry.codes))
-        phrase_score = PHRASE_WEIGHT * min(len(query_shingles.intersection(entry.shingles)), PHRASE_SATURATION) \
-            / PHRASE_SATURATION
-        score = text_score + signature_score + code_score + phrase_score
+        signature_hits: list[str] = []
+        signature_score = _signature_score(entry, lines, lowered, signature_hits)
+        shared_codes = sorted(query_codes.intersection(entry.codes))
+        code_score = sum(T.code_weight(c) / math.sqrt(code_df[c]) for c in shared_codes)
+        shared_phrases = len(query_shingles.intersection(entry.shingles))
+        phrase_score = PHRASE_WEIGHT * min(shared_phrases, PHRASE_SATURATION) / PHRASE_SATURATION
+        # A short, vague query ("training hangs at step 3000") is best answered by the entry on how
+        # to diagnose that kind of problem, not by whichever narrow cause shares the most words.
+        general = GENERAL_WEIGHT * text_score if short and "general" in entry.data["tags"] else 0.0
+        score = text_score + signature_score + code_score + phrase_score + general
         if score > 0:
-            scored.append((score, entry))
-    scored.sort(key=lambda pair: (-pair[0], pair[1].data["id"]))
-    return [{k: round(score, 4) if k == "score" else entry.data[k] for k in RESULT_FIELDS}
-            for score, entry in scored[:limit]]
+            scored.append((score, entry, signature_hits, shared_codes, shared_phrases))
+    scored.sort(key=lambda item: (-item[0], item[1].data["id"]))
+    results = []
+    for score, entry, signature_hits, shared_codes, shared_phrases in scored[:limit]:
+        match = _match(entry, terms, columns.get(entry.rowid, {}), signature_hits, shared_codes, shared_phrases,
+                       domain)
+        match.general = short and "general" in entry.data["tags"]
+        result = {k: round(score, 4) if k == "score" else entry.data[k] for k in RESULT_FIELDS}
+        result["matched"] = match.to_dict()
+        result["confident"] = confident(match)
+        results.append(result)
+    return {"confident": bool(results) and results[0]["confident"], "results": results}
 
 
-def ask(query: str, limit: int = 5, directory: Path | None = None) -> tuple[list[dict], list[dict]]:
-    """Results for the query, and the entry files that were skipped as malformed."""
+SHORT_QUERY_TERMS = 5
+GENERAL_WEIGHT = 0.35
+# Codes specific enough that sharing one names the problem (an Xid, a CUDA or NCCL error number).
+SPECIFIC_CODE_KINDS = ("xid ", "cuda error ", "nccl error ", "vendor err ")
+MIN_COVERAGE = 0.2
+MIN_STRONG_IDF = 4.0
+# A signature match on a query with no domain word counts when the query is nearly the entry's own
+# symptom line (most of its weight and several word 3-grams): "trying to initialize the default process
+# group twice" is torch.distributed's, though no word in it says so.
+NEAR_VERBATIM_COVERAGE = 0.8
+NEAR_VERBATIM_PHRASES = 3
+
+
+def confident(match: Match) -> bool:
+    """Whether a result is a real answer, not the least bad of unrelated entries.
+
+    Yes when they share a specific error code (an Xid, a CUDA or NCCL error number, a source line), or
+    when a signature matched a query that is nearly the entry's own symptom line. Else only for a query about the handbook's world (a GPU, training or cluster word, T.DOMAIN_WORDS): when one
+    of the entry's log signatures matched, or when enough of the query's weight (MIN_COVERAGE of its
+    IDF mass) falls on what the entry says users see, with words rare enough (MIN_STRONG_IDF) to say
+    something, or when a short vague query ("training hangs") is nearly all in a diagnosis entry's words. Chit-chat, binary junk and errors of other software fail: their words are unknown to the
+    handbook, common to all of it, or outside its world.
+    """
+    if any(c.startswith(SPECIFIC_CODE_KINDS) or (c.startswith("source ") and ":" in c) for c in match.codes):
+        return True
+    if match.signatures and (match.domain or (match.coverage >= NEAR_VERBATIM_COVERAGE
+                                               and match.phrases >= NEAR_VERBATIM_PHRASES)):
+        return True
+    if not match.domain:
+        return False
+    if match.general and match.coverage >= NEAR_VERBATIM_COVERAGE:
+        return True
+    return match.coverage >= MIN_COVERAGE and match.strong_idf >= MIN_STRONG_IDF
+
+
+def ask(query: str, limit: int = 5, directory: Path | None = None) -> tuple[dict, list[dict]]:
+    """search() for the query ({"confident", "results"}), and the entry files skipped as malformed."""
     index = open_index(directory)
     try:
-        return rank(index, query, limit), index.skipped
+        return search(index, query, limit), index.skipped
     finally:
         index.close()
 

@@ -36,6 +36,11 @@ py pyc cpp cc h root workspace
 _PATH_RE = re.compile(r"(?<!\S)[^\s/\\]*(?:[/\\][^\s/\\]*)*[/\\](?=[\w.-])")
 
 
+# System paths say what the problem is (/dev/shm/nccl-*, /proc/sys/kernel/..., /sys/class/infiniband):
+# their directories are kept as words.
+_SYSTEM_PATH_RE = re.compile(r"(?<![\w/])/(?:dev|proc|sys|etc|run)/[^\s'\"]*")
+
+
 def terms(text: str) -> list[str]:
     """Lowercase search terms, in text order: no numbers, hex, pids, directories or stopwords.
 
@@ -43,7 +48,8 @@ def terms(text: str) -> list[str]:
     concrete instance numbers in a pasted log do not stop it matching an entry's generic words.
     """
     out: list[str] = []
-    text = _PATH_RE.sub(" ", text.lower())
+    text = _SYSTEM_PATH_RE.sub(lambda m: m.group(0).replace("/", " "), text.lower())
+    text = _PATH_RE.sub(" ", text)
     for pattern, replacement in _PHRASES:
         text = pattern.sub(replacement, text)
     for token in _TOKEN_RE.findall(text):
@@ -95,6 +101,33 @@ def _token_terms(token: str) -> tuple[str, ...]:
     if match and match.group(1) not in STOPWORDS:
         return token, match.group(1)
     return (token,)
+
+
+# Words that put a query in the handbook's world: training models on GPUs and the software around it.
+# A query with none of them (a Python TypeError, a web server's 502, chit-chat) may share words with
+# an entry, but the entry is not its answer: without one, `mleng ask` is never confident on words alone.
+DOMAIN_WORDS = frozenset("""
+gpu gpus cuda cudnn cublas nccl rccl gloo mpi nvidia nvml nvlink nvswitch pcie infiniband ib rdma roce efa
+hca mlx5 xid ecc sxm lnkcap lnksta cu nvcc nfs lustre gpfs slurmstepd docker container h100 h200 a100 b200 mi300 rocm hip amd tpu xla
+torch pytorch tensor tensors autograd backward grad gradient gradients optimizer adam adamw sgd lr
+scheduler loss nan inf overflow underflow fp16 bf16 fp8 fp32 tf32 amp autocast gradscaler precision
+train training trainer epoch epochs step steps batch batches microbatch model models checkpoint checkpoints
+weights state_dict dataloader dataset datasets sampler worker workers rank ranks distributed ddp fsdp
+zero1 zero2 zero3 offload deepspeed megatron lightning accelerate transformers huggingface hf peft lora tokenizer tokenizers
+collective collectives allreduce all_reduce allgather all_gather broadcast barrier reduce_scatter
+torchrun elastic rendezvous c10d slurm srun sbatch salloc squeue scontrol kubernetes kubectl pod pods
+compile dynamo inductor triton cudagraph cudagraphs attention flash sdpa xformers kernel kernels
+memory oom allocator vram hbm shm dev inference vllm safetensors pickle mfu tflops flops throughput
+""".split())
+
+
+# Run-together identifiers of the same world: ncclRemoteError, cudaErrorIllegalAddress, torchrun.
+_DOMAIN_PREFIXES = ("nccl", "cuda", "cudnn", "cublas", "torch", "triton", "nvidia", "deepspeed", "fsdp", "slurm",
+                    "dynamo", "inductor", "ibv")
+
+
+def domain_words(words) -> set[str]:
+    return {w for w in words if w in DOMAIN_WORDS or w.startswith(_DOMAIN_PREFIXES)}
 
 
 def shingles(words: list[str], size: int = 3) -> set[str]:
