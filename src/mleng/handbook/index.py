@@ -6,16 +6,15 @@ import hashlib
 import json
 import os
 import sqlite3
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from mleng import __version__
 from mleng.handbook import terms as T
-from mleng.handbook.model import default_entries_dir, entry_files
+from mleng.handbook.model import default_entries_dir
 
 # The layout of the cache file; the fingerprint also covers the code that fills it.
-INDEX_SCHEMA = 2
+INDEX_SCHEMA = 3
 INDEX_FILENAME = "handbook-index.sqlite"
 FTS_COLUMNS = ("title", "symptoms", "signatures", "codes", "tags", "cause", "confirm", "fix", "seen", "body")
 
@@ -33,22 +32,38 @@ def fingerprint(directory: Path) -> str:
     (its version, or the code that decides what goes into the index)."""
     digest = hashlib.sha256(f"{__version__}|{INDEX_SCHEMA}|{directory.resolve()}".encode())
     here = Path(__file__).resolve().parent
-    for path in [here / "index.py", here / "terms.py", here / "model.py", *entry_files(directory)]:
-        try:
-            stat = path.stat()
-        except OSError:   # removed while we looked: the next run sees the directory settled
-            continue
+    for path in (here / "index.py", here / "terms.py", here / "model.py"):
+        stat = path.stat()
         digest.update(f"|{path.name}:{stat.st_mtime_ns}:{stat.st_size}".encode())
+    try:
+        listing = sorted((e.name, e.stat()) for e in os.scandir(directory) if e.name.endswith(".md"))
+    except OSError:
+        listing = []
+    for name, stat in listing:
+        digest.update(f"|{name}:{stat.st_mtime_ns}:{stat.st_size}".encode())
     return digest.hexdigest()
 
 
 @dataclass
 class IndexedEntry:
+    """What ranking reads of every entry on every query; the whole entry (`data`) is read on demand."""
     rowid: int
-    data: dict            # Entry.to_dict()
+    id: str
+    signatures: list[str]
+    tags: list[str]
     codes: list[str]      # canonical error codes from error_codes + symptoms
     shingles: list[str]   # word 3-grams of title and symptoms
     anchors: list[list[str] | None]  # per signature: literals one of which a match contains, or None
+    index: "Index | None" = None
+    _data: dict | None = None
+
+    @property
+    def data(self) -> dict:
+        """Entry.to_dict() of this entry, read from the index the first time it is needed."""
+        if self._data is None:
+            (text,) = self.index.conn.execute("SELECT data FROM entries WHERE rowid = ?", (self.rowid,)).fetchone()
+            self._data = json.loads(text)
+        return self._data
 
 
 class Index:
@@ -58,16 +73,13 @@ class Index:
         self.conn = conn
         self.path = path
         self.rebuilt = rebuilt
-        self.entries: list[IndexedEntry] = [
-            IndexedEntry(rowid, json.loads(data), json.loads(codes), json.loads(shingles), json.loads(anchors))
-            for rowid, data, codes, shingles, anchors in
-            conn.execute("SELECT rowid, data, codes, shingles, anchors FROM entries ORDER BY rowid")
-        ]
+        # One JSON document for the columns every query reads: parsing it once is the start-up cost.
+        (summary,) = conn.execute("SELECT value FROM meta WHERE key = 'summary'").fetchone()
+        self.entries: list[IndexedEntry] = [IndexedEntry(*row, index=self) for row in json.loads(summary)]
         self.skipped: list[dict] = [
             {"file": f, "field": fld, "message": m}
             for f, fld, m in conn.execute("SELECT file, field, message FROM skipped ORDER BY file")
         ]
-        self.by_rowid = {e.rowid: e for e in self.entries}
         # Row lengths in tokens (all columns), for BM25's length normalisation.
         self.lengths: dict[int, int] = dict(conn.execute("SELECT rowid, length FROM entries"))
         self.average_length = sum(self.lengths.values()) / max(1, len(self.lengths))
@@ -103,12 +115,14 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> 
 
     entries, skipped = load_entries(directory)
     _create_schema(conn)
+    shingle_sets: dict[int, set[str]] = {}
     for rowid, entry in enumerate(entries, start=1):
         data = entry.to_dict()
         words = T.terms(entry.title)
         shingle_set = T.shingles(words)
         for symptom in entry.symptoms:
             shingle_set |= T.shingles(T.terms(symptom))
+        shingle_sets[rowid] = shingle_set
         fields = {
             "title": entry.title, "symptoms": "\n".join(entry.symptoms),
             "signatures": "\n".join(entry.signatures),
@@ -136,6 +150,9 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> 
     ])
     conn.execute("DROP TABLE temp.vocab")
     conn.execute("CREATE INDEX postings_term ON postings (term)")
+    summary = [[rowid, e.id, e.signatures, e.tags, sorted(entry_codes(e.to_dict())), sorted(shingle_sets[rowid]),
+                [T.regex_anchor(p) for p in e.signatures]] for rowid, e in enumerate(entries, start=1)]
+    conn.execute("INSERT INTO meta VALUES ('summary', ?)", (json.dumps(summary),))
     conn.executemany("INSERT INTO skipped VALUES (?, ?, ?)", [(e.file, e.field, e.message) for e in skipped])
     conn.execute("INSERT INTO meta VALUES ('fingerprint', ?)", (print_fingerprint,))
     conn.commit()
@@ -175,6 +192,8 @@ def open_index(directory: Path | None = None, cache_path: Path | None = None) ->
             return Index(sqlite3.connect(f"file:{cache_path}?mode=ro", uri=True), cache_path, rebuilt=False)
         except (sqlite3.DatabaseError, ValueError, KeyError):
             pass  # damaged beyond its meta table: rebuild below
+    import tempfile
+
     try:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(prefix=".handbook-index-", suffix=".tmp", dir=cache_path.parent)

@@ -132,7 +132,7 @@ def _signature_score(entry, lines: list[str], lowered: str, hits: list[str] | No
     """Signature matches, each weighted by how much of the matched text the regex fixed literally:
     'failed \\(exitcode: -9\\)' matched verbatim says more than a pattern full of wildcards."""
     found = []
-    for pattern, anchor in zip(entry.data["signatures"], entry.anchors):
+    for pattern, anchor in zip(entry.signatures, entry.anchors):
         if anchor is not None and not any(a in lowered for a in anchor):
             continue
         try:
@@ -222,16 +222,16 @@ def search(index: Index, query: str, limit: int = 5) -> dict:
         phrase_score = PHRASE_WEIGHT * min(shared_phrases, PHRASE_SATURATION) / PHRASE_SATURATION
         # A short, vague query ("training hangs at step 3000") is best answered by the entry on how
         # to diagnose that kind of problem, not by whichever narrow cause shares the most words.
-        general = GENERAL_WEIGHT * text_score if short and "general" in entry.data["tags"] else 0.0
+        general = GENERAL_WEIGHT * text_score if short and "general" in entry.tags else 0.0
         score = text_score + signature_score + code_score + phrase_score + general
         if score > 0:
             scored.append((score, entry, signature_hits, shared_codes, shared_phrases))
-    scored.sort(key=lambda item: (-item[0], item[1].data["id"]))
+    scored.sort(key=lambda item: (-item[0], item[1].id))
     results = []
     for score, entry, signature_hits, shared_codes, shared_phrases in scored[:limit]:
         match = _match(entry, terms, columns.get(entry.rowid, {}), signature_hits, shared_codes, shared_phrases,
                        domain)
-        match.general = short and "general" in entry.data["tags"]
+        match.general = short and "general" in entry.tags
         result = {k: round(score, 4) if k == "score" else entry.data[k] for k in RESULT_FIELDS}
         result["matched"] = match.to_dict()
         result["confident"] = confident(match)
