@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -174,6 +175,11 @@ def lint_file(path: Path, repo_root: Path | None) -> tuple[str | None, list[str]
                 parsed = urlparse(url.strip())
                 if parsed.scheme not in ("http", "https") or not parsed.netloc or " " in url.strip():
                     add("sources", f"{url!r} is not an http(s) URL")
+                elif parsed.netloc in ("github.com", "www.github.com") and not _GITHUB_RE.fullmatch(parsed.path):
+                    add("sources", f"{url!r} is not a GitHub thread, file or release page "
+                                   "(owner/repo/issues/N, pull/N, discussions/N, blob/..., commit/..., releases/...)")
+                elif url.rstrip() != url or url.endswith((".", ",", ")", "]")):
+                    add("sources", f"{url!r} ends with punctuation; cite the bare URL")
 
     related = meta.get("related") or []
     if "related" in meta and not (isinstance(related, list) and all(isinstance(r, str) for r in related)):
@@ -188,6 +194,11 @@ def lint_file(path: Path, repo_root: Path | None) -> tuple[str | None, list[str]
 
     if "verified" in meta:
         _check_verified(meta["verified"], add)
+
+    for key in ("confirm", "fix"):
+        if _is_string_list(meta.get(key)):
+            for item in meta[key]:
+                _check_mleng_commands(key, item, add)
 
     if meta.get("reproduction") is not None:
         _check_reproduction(meta["reproduction"], repo_root, add)
@@ -207,7 +218,77 @@ def lint_file(path: Path, repo_root: Path | None) -> tuple[str | None, list[str]
     return entry_id, [r for r in related if isinstance(r, str)], problems
 
 
+_GITHUB_RE = re.compile(r"/[\w.-]+/[\w.-]+(?:/(?:issues|pull|discussions)/\d+(?:/[\w/-]*)?"
+                        r"|/(?:blob|tree|commit|releases|wiki|compare|security)(?:/[^\s]*)?)?/?")
 _DATE_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
+# `mleng ...` inside a confirm/fix item: up to a comment, a shell separator, a quote or a clause break.
+_MLENG_RE = re.compile(r"(?<![\w./-])mleng\s+([a-z][^#;|&`'\"()]*?)(?=\s+#|[#;|&`'\"()]|,\s|\s+or\s|\.\s|\.$|$)")
+_PLACEHOLDER_RE = re.compile(r"<[^<>]*>")
+_NEGATION_RE = re.compile(r"\bnot\b|n't\b|\bno\b", re.I)
+# Capabilities an entry may be tempted to claim but mleng does not have: (command, words, why not).
+MISSING_CAPABILITIES = (
+    ("doctor", re.compile(r"\bxid|kernel log|dmesg|journalctl|\bsxid", re.I),
+     "mleng doctor does not read kernel logs (Xid lines); point at dmesg / journalctl -k instead"),
+)
+
+
+def _check_mleng_commands(key: str, item: str, add) -> None:
+    """Every `mleng ...` command in a confirm/fix item parses with the real CLI parser.
+
+    A command is a `mleng WORD` at the start of the item or of a shell command in it, or any whose WORD
+    is a mleng command; 'mleng keeps ...' in the middle of prose is not one. Comments are not read.
+    """
+    from mleng.cli.main import COMMANDS
+
+    code = item.split("#", 1)[0]
+    for match in _MLENG_RE.finditer(code):
+        first = match.group(1).split()[0] if match.group(1).split() else ""
+        at_start = not code[:match.start()].strip() or code[:match.start()].rstrip().endswith(("$", "&&", ";", "|"))
+        if first not in COMMANDS and not at_start:
+            continue
+        text = _PLACEHOLDER_RE.sub("1", match.group(1)).replace("...", " ").strip()
+        try:
+            words = shlex.split(text)
+        except ValueError:
+            words = text.split()
+        problem = _parse_problem(words)
+        if problem:
+            add(key, f"'mleng {match.group(1).strip()}': {problem}; write a command that exists "
+                     "(mleng COMMAND --help); in prose, quote it in backticks (`mleng io DIR`) or move the prose into "
+                     "a '# comment'")
+            continue
+        comment = item.split("#", 1)[1] if "#" in item else item[match.end():]
+        for command, words_re, why in MISSING_CAPABILITIES:
+            if words and words[0] == command and words_re.search(comment) and not _NEGATION_RE.search(comment):
+                add(key, f"{item[:80]!r}: {why}")
+                break
+
+
+_PARSERS: dict[str, object] = {}
+
+
+def _parse_problem(words: list[str]) -> str | None:
+    import contextlib
+    import io
+
+    from mleng.cli.main import COMMANDS, build_parser
+
+    if not words:
+        return "no command after 'mleng'"
+    if words[0] not in COMMANDS:
+        return f"{words[0]!r} is not a mleng command"
+    parser = _PARSERS.get(words[0])
+    if parser is None:
+        parser = _PARSERS[words[0]] = build_parser(words[0])
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+            parser.parse_args(words)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            message = errors.getvalue().strip().splitlines()
+            return message[-1].split("error: ", 1)[-1] if message else "does not parse"
+    return None
 
 
 def _check_verified(value, add) -> None:
