@@ -14,7 +14,7 @@ from mleng.handbook import terms as T
 from mleng.handbook.model import default_entries_dir
 
 # The layout of the cache file; the fingerprint also covers the code that fills it.
-INDEX_SCHEMA = 3
+INDEX_SCHEMA = 4
 INDEX_FILENAME = "handbook-index.sqlite"
 FTS_COLUMNS = ("title", "symptoms", "signatures", "codes", "tags", "cause", "confirm", "fix", "seen", "body")
 
@@ -49,6 +49,7 @@ class IndexedEntry:
     """What ranking reads of every entry on every query; the whole entry (`data`) is read on demand."""
     rowid: int
     id: str
+    category: str
     signatures: list[str]
     tags: list[str]
     codes: list[str]      # canonical error codes from error_codes + symptoms
@@ -150,7 +151,7 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> 
     ])
     conn.execute("DROP TABLE temp.vocab")
     conn.execute("CREATE INDEX postings_term ON postings (term)")
-    summary = [[rowid, e.id, e.signatures, e.tags, sorted(entry_codes(e.to_dict())), sorted(shingle_sets[rowid]),
+    summary = [[rowid, e.id, e.category, e.signatures, e.tags, sorted(entry_codes(e.to_dict())), sorted(shingle_sets[rowid]),
                 [T.regex_anchor(p) for p in e.signatures]] for rowid, e in enumerate(entries, start=1)]
     conn.execute("INSERT INTO meta VALUES ('summary', ?)", (json.dumps(summary),))
     conn.executemany("INSERT INTO skipped VALUES (?, ?, ?)", [(e.file, e.field, e.message) for e in skipped])

@@ -205,6 +205,7 @@ def search(index: Index, query: str, limit: int = 5) -> dict:
     query_shingles = T.shingles(words)
     short = len(terms.weight) <= SHORT_QUERY_TERMS
     domain = sorted(T.domain_words(words))
+    word_set = set(words)
 
     code_df: dict[str, int] = {}
     for entry in index.entries:
@@ -222,6 +223,10 @@ def search(index: Index, query: str, limit: int = 5) -> dict:
         phrase_score = PHRASE_WEIGHT * min(shared_phrases, PHRASE_SATURATION) / PHRASE_SATURATION
         # A short, vague query ("training hangs at step 3000") is best answered by the entry on how
         # to diagnose that kind of problem, not by whichever narrow cause shares the most words.
+        framework = T.FRAMEWORK_WORDS.get(entry.category)
+        if framework is not None and not signature_score and not framework.intersection(word_set):
+            text_score *= OTHER_FRAMEWORK_FACTOR
+            phrase_score *= OTHER_FRAMEWORK_FACTOR
         general = GENERAL_WEIGHT * text_score if short and "general" in entry.tags else 0.0
         score = text_score + signature_score + code_score + phrase_score + general
         if score > 0:
@@ -240,6 +245,8 @@ def search(index: Index, query: str, limit: int = 5) -> dict:
 
 
 SHORT_QUERY_TERMS = 5
+# An entry about one framework, for a query that does not name it and matches none of its signatures.
+OTHER_FRAMEWORK_FACTOR = 0.5
 GENERAL_WEIGHT = 0.35
 # Codes specific enough that sharing one names the problem (an Xid, a CUDA or NCCL error number).
 SPECIFIC_CODE_KINDS = ("xid ", "cuda error ", "nccl error ", "vendor err ")

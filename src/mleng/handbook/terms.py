@@ -126,6 +126,20 @@ _DOMAIN_PREFIXES = ("nccl", "cuda", "cudnn", "cublas", "torch", "triton", "nvidi
                     "dynamo", "inductor", "ibv")
 
 
+# Categories about one framework, and the words by which a query names it. An entry of such a category
+# answers a query that names the framework, or matches one of its log signatures; a plain description
+# ("training hangs after an epoch") names none and is better answered by the general entries.
+FRAMEWORK_WORDS = {
+    "lightning": frozenset("lightning pl lightningmodule lightningdatamodule fabric ptl".split()),
+    "hf-accelerate": frozenset("transformers trainer accelerate accelerator huggingface hf peft lora trl "
+                               "pretrained tokenizer seq2seqtrainer sfttrainer".split()),
+    "deepspeed": frozenset("deepspeed zero1 zero2 zero3 ds_config".split()),
+    "fsdp": frozenset("fsdp fsdp2 fully_shard fullyshardeddataparallel dtensor".split()),
+    "compile": frozenset("compile compiled dynamo inductor triton recompile recompiles recompiling".split()),
+    "kubernetes": frozenset("kubernetes k8s pod pods kubectl helm kubeflow pytorchjob".split()),
+}
+
+
 def domain_words(words) -> set[str]:
     return {w for w in words if w in DOMAIN_WORDS or w.startswith(_DOMAIN_PREFIXES)}
 
