@@ -339,6 +339,18 @@ CASES = [
     C("triage-no-log", "triage", message="the following arguments are required: logfile"),
     C("handbook-no-action", "handbook", message="the following arguments are required: ACTION"),
     C("handbook-show-no-id", "handbook", "show", message="the following arguments are required: id"),
+    C("triage-missing-log", "triage", "{tmp}/missing.log", message="cannot read"),
+    C("triage-log-is-folder", "triage", "{tmp}", message="is a directory"),
+    C("triage-binary-log", "triage", "{tmp}/blob.bin", message="is not a text log"),
+    C("triage-binary-stdin", "triage", "-", stdin="\x00\x01\x02 binary", message="is not a text log"),
+    C("triage-binary-log-json", "triage", "--json", "{tmp}/blob.bin", message="is not a text log"),
+    C("ask-limit-zero", "ask", "x", "--limit", "0", message="--limit must be at least 1"),
+    C("handbook-site-parent-missing", "handbook", "site", "/nonexistent-mleng-x/site", message="does not exist"),
+    C("handbook-site-empty", "handbook", "site", "", message="the site folder is empty"),
+    C("handbook-site-is-file", "handbook", "site", "{tmp}/file.txt", message="is not a folder"),
+    C("handbook-skill-parent-missing", "handbook", "skill", "/nonexistent-mleng-x/SKILL.md", message="does not exist"),
+    C("handbook-skill-dir-parent-missing", "handbook", "skill", "/nonexistent-mleng-x/skill",
+      message="does not exist"),
 ]
 
 
@@ -404,6 +416,7 @@ def _prepare(case: Case, tmp_path: Path, seed: dict | None) -> tuple[Path, Path]
     (tmp_path / "dir").mkdir()
     (tmp_path / "dir.html").mkdir()
     (tmp_path / "file.txt").write_text("not json, not a folder\n")
+    (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 8)
     (tmp_path / "other.json").write_text('{"hello": "world"}')
     (tmp_path / "existing.html").write_text("<p>an older report</p>")
     nompl = tmp_path / "nompl" / "matplotlib"

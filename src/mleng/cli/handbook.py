@@ -123,9 +123,27 @@ def render_entry(entry: dict) -> str:
     return "\n".join(lines)
 
 
+def output_folder(path: str, what: str) -> Path:
+    """A folder the command writes into: it may exist, or be created inside an existing folder;
+    mleng creates no parent folders the user did not name (as with mkdir without -p)."""
+    if not path.strip():
+        raise UsageError(f"the {what} folder is empty", hint="give a folder, e.g. ./site")
+    target = Path(path).expanduser()
+    if target.exists():
+        if not target.is_dir():
+            raise UsageError(f"{path} exists and is not a folder", hint=f"give a folder for the {what}")
+        return target
+    parent = target.parent
+    if not parent.is_dir():
+        raise UsageError(f"{path}: the folder {parent} does not exist",
+                         hint="create it first or choose an existing folder (mleng creates only the last folder)")
+    return target
+
+
 def _site(args) -> int:
     from mleng.handbook.site import write_site
 
+    output_folder(args.out, "site")
     entries = _entries("handbook site")
     index_path = write_site(entries, Path(args.out))
     if args.json:
@@ -138,6 +156,12 @@ def _site(args) -> int:
 def _skill(args) -> int:
     from mleng.handbook.skill import write_skill
 
+    if args.out.lower().endswith(".md"):
+        from mleng.cli.common import check_output_path
+
+        check_output_path(args.out, "OUT", (".md",))
+    else:
+        output_folder(args.out, "skill")
     entries = _entries("handbook skill")
     path = write_skill(entries, Path(args.out))
     if args.json:

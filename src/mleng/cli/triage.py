@@ -14,10 +14,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mleng.handbook.triage import NotText
     from mleng.cli.ask import warn_skipped
     from mleng.handbook.index import open_index
     from mleng.handbook.triage import Matcher, NotText, finding_to_dict, open_log, triage_compressed, triage_file
 
+    # Bad input is refused before the index is opened (and perhaps built).
+    if args.logfile == "-":
+        from mleng.handbook.triage import check_text, compression
+
+        head = sys.stdin.buffer.peek(8192)[:8192]
+        if compression(head) is None:
+            try:
+                check_text(head)
+            except NotText as exc:
+                raise UsageError(f"<stdin> is not a text log: {exc}",
+                                 hint="pass the job's text log (plain, .gz, .xz, .bz2 or .zst)") from None
+    else:
+        _check_log(args.logfile)
     index = open_index()
     try:
         entries = [e.data for e in index.entries]
@@ -51,6 +65,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render(source, result, findings))
     return 1 if findings else 0
+
+
+def _check_log(path: str) -> None:
+    from mleng.handbook.triage import NotText, check_text, compression
+
+    if os.path.isdir(path):
+        raise UsageError(f"{path} is a directory", hint="pass a log file inside it")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8192)
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}",
+                         hint="pass a readable log file, or '-' to read stdin") from None
+    if compression(head) is None:
+        try:
+            check_text(head)
+        except NotText as exc:
+            raise UsageError(f"{path} is not a text log: {exc}",
+                             hint="pass the job's text log (plain, .gz, .xz, .bz2 or .zst)") from None
 
 
 def _size(n: int) -> str:

@@ -21,13 +21,20 @@ parse the output.
 ## When the user has an error message or a symptom
 1. Pass the text exactly as the user gave it (quote it; any characters are fine):
    `mleng ask "RuntimeError: DataLoader worker (pid 1234) is killed by signal: Killed." --json --limit 3`
-   The answer is `{"query": ..., "results": [{"id", "title", "category", "score", "symptoms", "cause",
-   "confirm", "fix", "applies_to", "sources"}, ...]}`, best first. A plain-language description works too:
-   `mleng ask "training hangs at the first all_reduce on two nodes" --json`.
+   The answer is `{"query": ..., "confident": true|false, "results": [{"id", "title", "category", "score",
+   "symptoms", "cause", "confirm", "fix", "applies_to", "sources", "matched", "confident"}, ...]}`, best
+   first; exit code 0 when the top result is confident, 1 when it is not. A plain-language description
+   works too: `mleng ask "training hangs at the first all_reduce on two nodes" --json`.
 2. Read `cause` to explain what happened, run or propose the `confirm` commands to tell this cause
    from look-alikes, then give the `fix` steps. Cite `sources` when the user wants references.
-3. A high score with a matching symptom line is a confident hit; when the top results are close in
-   score, say which `confirm` check separates them instead of guessing.
+3. Trust `confident`, not the score alone. `confident` is true when one of the entry's log signatures
+   matched (`matched.signatures`), when a specific error code is shared (`matched.codes`: an Xid, a CUDA
+   or NCCL error number, a source line), or when the query's GPU/training words cover the entry's
+   symptoms (`matched.coverage`, `matched.terms`). When it is false, say the handbook does not know this
+   problem and present the results only as possibly related. The score is a sum: text relevance (0-1,
+   relative to the best text match of this query) + up to 2 per matched signature (at most two) + error
+   codes (about 0.5-3 each, less when many entries share the code) + up to 1 for shared 3-word phrases;
+   scores compare results of one query, not across queries.
 4. `mleng handbook show ID --json` prints one entry in full (including the body sections
    "What you see", "Why", "Confirm", "Fix"); `mleng handbook list --json [--category C]` lists ids.
 
