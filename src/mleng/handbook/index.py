@@ -1,4 +1,4 @@
-"""The search index: entries parsed once into an SQLite FTS5 file, cached and rebuilt when stale."""
+"""The search index: entries parsed once into an SQLite file of postings, cached and rebuilt when stale."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from pathlib import Path
 from mleng import __version__
 from mleng.handbook import terms as T
 from mleng.handbook.model import default_entries_dir
+from mleng.handbook.stem import stem
 
 # The layout of the cache file; the fingerprint also covers the code that fills it.
-INDEX_SCHEMA = 4
+INDEX_SCHEMA = 5
 INDEX_FILENAME = "handbook-index.sqlite"
 FTS_COLUMNS = ("title", "symptoms", "signatures", "codes", "tags", "cause", "confirm", "fix", "seen", "body")
 
@@ -32,7 +33,7 @@ def fingerprint(directory: Path) -> str:
     (its version, or the code that decides what goes into the index)."""
     digest = hashlib.sha256(f"{__version__}|{INDEX_SCHEMA}|{directory.resolve()}".encode())
     here = Path(__file__).resolve().parent
-    for path in (here / "index.py", here / "terms.py", here / "model.py"):
+    for path in (here / "index.py", here / "terms.py", here / "model.py", here / "stem.py"):
         stat = path.stat()
         digest.update(f"|{path.name}:{stat.st_mtime_ns}:{stat.st_size}".encode())
     try:
@@ -68,7 +69,7 @@ class IndexedEntry:
 
 
 class Index:
-    """An open index: FTS5 table `docs`, per-term `postings`, the entries in rowid order, the files skipped."""
+    """An open index: per-term `postings`, the entries in rowid order, the files skipped."""
 
     def __init__(self, conn: sqlite3.Connection, path: Path | None, rebuilt: bool):
         self.conn = conn
@@ -95,10 +96,9 @@ def _create_schema(conn: sqlite3.Connection) -> None:
         CREATE TABLE entries (rowid INTEGER PRIMARY KEY, id TEXT UNIQUE NOT NULL, data TEXT NOT NULL,
                               codes TEXT NOT NULL, shingles TEXT NOT NULL, anchors TEXT NOT NULL,
                               length INTEGER NOT NULL);
-        -- term frequency of each (porter-stemmed) term per entry and column, for our own BM25
+        -- term frequency of each (Porter-stemmed, stem.py) term per entry and column, for our own BM25
         CREATE TABLE postings (term TEXT NOT NULL, rowid INTEGER NOT NULL, col INTEGER NOT NULL, tf INTEGER NOT NULL);
         CREATE TABLE skipped (file TEXT NOT NULL, field TEXT NOT NULL, message TEXT NOT NULL);
-        CREATE VIRTUAL TABLE docs USING fts5({", ".join(FTS_COLUMNS)}, tokenize='porter unicode61');
     """)
 
 
@@ -111,12 +111,40 @@ def entry_codes(entry: dict) -> set[str]:
     return codes
 
 
+def entry_columns(data: dict) -> list[list[str]]:
+    """The search terms of each column (FTS_COLUMNS order) of an entry (Entry.to_dict()), unstemmed."""
+    sections = data.get("sections") or {}
+    fields = {
+        "title": data["title"], "symptoms": "\n".join(data["symptoms"]),
+        "signatures": "\n".join(data["signatures"]),
+        "codes": "\n".join(data["error_codes"]), "tags": " ".join(data["tags"] + [data["category"], data["id"]]),
+        "cause": data["cause"], "confirm": "\n".join(data["confirm"]), "fix": "\n".join(data["fix"]),
+        # "What you see" is the plain-language symptom, what a described problem matches best.
+        "seen": sections.get("What you see", ""),
+        "body": "\n".join(v for k, v in sections.items() if k != "What you see"),
+    }
+    return [T.terms(fields[c]) for c in FTS_COLUMNS]
+
+
+def entry_postings(columns: list[list[str]]) -> list[tuple[str, int, int]]:
+    """(stem, column, tf) of an entry's columns: our own Porter stems (stem.py, also run by the site)."""
+    out = []
+    for col, words in enumerate(columns):
+        counts: dict[str, int] = {}
+        for word in words:
+            term = stem(word)
+            counts[term] = counts.get(term, 0) + 1
+        out.extend((term, col, tf) for term, tf in counts.items())
+    return out
+
+
 def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> None:
     from mleng.handbook.model import load_entries
 
     entries, skipped = load_entries(directory)
     _create_schema(conn)
     shingle_sets: dict[int, set[str]] = {}
+    postings: list[tuple[str, int, int, int]] = []
     for rowid, entry in enumerate(entries, start=1):
         data = entry.to_dict()
         words = T.terms(entry.title)
@@ -124,32 +152,14 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> 
         for symptom in entry.symptoms:
             shingle_set |= T.shingles(T.terms(symptom))
         shingle_sets[rowid] = shingle_set
-        fields = {
-            "title": entry.title, "symptoms": "\n".join(entry.symptoms),
-            "signatures": "\n".join(entry.signatures),
-            "codes": "\n".join(entry.error_codes), "tags": " ".join(entry.tags + [entry.category, entry.id]),
-            "cause": entry.cause, "confirm": "\n".join(entry.confirm), "fix": "\n".join(entry.fix),
-            # "What you see" is the plain-language symptom, what a described problem matches best.
-            "seen": entry.sections.get("What you see", ""),
-            "body": "\n".join(v for k, v in entry.sections.items() if k != "What you see"),
-        }
-        columns = [" ".join(T.terms(fields[c])) for c in FTS_COLUMNS]
+        columns = entry_columns(data)
         conn.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)", (
             rowid, entry.id, json.dumps(data), json.dumps(sorted(entry_codes(data))),
             json.dumps(sorted(shingle_set)), json.dumps([T.regex_anchor(s) for s in entry.signatures]),
-            sum(len(text.split()) for text in columns),
+            sum(len(words) for words in columns),
         ))
-        conn.execute(f"INSERT INTO docs (rowid, {', '.join(FTS_COLUMNS)}) VALUES (?{', ?' * len(FTS_COLUMNS)})",
-                     (rowid, *columns))
-    # FTS5 stems the terms (porter); its vocabulary view hands the stemmed occurrences back, which we
-    # keep as postings so ranking can use its own IDF (FTS5's bm25() zeroes any term in half the rows).
-    conn.execute("CREATE VIRTUAL TABLE temp.vocab USING fts5vocab(main, docs, instance)")
-    column_number = {name: i for i, name in enumerate(FTS_COLUMNS)}
-    conn.executemany("INSERT INTO postings VALUES (?, ?, ?, ?)", [
-        (term, rowid, column_number[col], tf) for term, rowid, col, tf in
-        conn.execute("SELECT term, doc, col, count(*) FROM temp.vocab GROUP BY term, doc, col")
-    ])
-    conn.execute("DROP TABLE temp.vocab")
+        postings.extend((term, rowid, col, tf) for term, col, tf in entry_postings(columns))
+    conn.executemany("INSERT INTO postings VALUES (?, ?, ?, ?)", postings)
     conn.execute("CREATE INDEX postings_term ON postings (term)")
     summary = [[rowid, e.id, e.category, e.signatures, e.tags, sorted(entry_codes(e.to_dict())), sorted(shingle_sets[rowid]),
                 [T.regex_anchor(p) for p in e.signatures]] for rowid, e in enumerate(entries, start=1)]

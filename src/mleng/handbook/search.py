@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 import re
-import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
 from mleng.handbook import terms as T
 from mleng.handbook.index import FTS_COLUMNS, Index, open_index
+from mleng.handbook.stem import stem
 
 # BM25 weight per column: where the user's words usually come from (an error line, a symptom)
 # counts most; the explanation and the commands count less.
@@ -37,16 +37,8 @@ BM25_B = 0.75
 
 
 def _stems(words: list[str]) -> list[str]:
-    """The porter stems FTS5 gave the index, for the query words, in order (one per word)."""
-    conn = sqlite3.connect(":memory:")
-    try:
-        conn.execute("CREATE VIRTUAL TABLE q USING fts5(t, tokenize='porter unicode61')")
-        conn.execute("CREATE VIRTUAL TABLE qv USING fts5vocab(q, instance)")
-        conn.execute("INSERT INTO q VALUES (?)", (" ".join(words),))
-        stems = [term for term, _ in sorted(conn.execute("SELECT term, offset FROM qv"), key=lambda r: r[1])]
-    finally:
-        conn.close()
-    return stems if len(stems) == len(words) else words
+    """The Porter stems the index stores (stem.py), for the query words, in order (one per word)."""
+    return [stem(w) for w in words]
 
 
 def query_weights(query: str) -> dict[str, float]:
