@@ -225,9 +225,14 @@ def _verdict(record, args) -> int:
     summary = record.summary
     if summary.get("row_errors"):
         errors = summary["row_errors"]
+        if record.params.get("world_size") == 1:
+            hint = ("one rank crosses no link: run one rank per GPU on a machine with 2 or more GPUs (or under "
+                    "torchrun/srun across nodes); all_gather, reduce_scatter and all_to_all at one rank time a local copy")
+        else:
+            hint = ("the timing is wrong, not the link: run with --no-cuda-graph, more ranks, or "
+                    "--blocking, and report it if it persists")
         raise CheckFailed(f"{len(errors)} row(s) measured a rate physics does not allow: {'; '.join(errors[:3])}",
-                          hint="the timing is wrong, not the link: run with --no-cuda-graph, more ranks, or "
-                               "--blocking, and report it if it persists")
+                          hint=hint)
     if summary.get("wrong"):
         bad = [f"{r['op']} at {r['size_bytes']} B: {r['wrong']}" for r in record.rows if r.get("wrong")]
         raise CheckFailed(f"--check found {summary['wrong']} wrong elements ({'; '.join(bad[:5])})",

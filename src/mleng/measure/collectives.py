@@ -399,6 +399,10 @@ def measure_size(job, op: Op, size_bytes: int, settings: Settings) -> dict[str, 
         **stats, "algbw_gbps": algbw, "busbw_gbps": algbw * op.factor(n),
         "samples": len(samples_s), "iters": settings.iters,
     }
+    if n == 1 and inp is out:
+        # One rank, one buffer: the op leaves it as it is, so NCCL enqueues no kernel (and gloo copies
+        # nothing). Its time is call overhead at any size and in every timing mode (graph, eager, blocking).
+        row["one_rank_in_place"] = True
     if graph is not None and graph_note == EMPTY_GRAPH:
         row["timing"] = "cuda_graph"
         row["graph_empty"] = True
@@ -446,8 +450,13 @@ def fastest_link_gbps() -> float:
 
 
 def physics_problem(row: dict, reference_gbps: float | None, ceiling_gbps: float | None = None) -> str | None:
-    """Why a row's rate cannot be real, or None. An empty captured CUDA graph timed nothing; a busbw
-    above PHYSICS_MARGIN x the link (or, with no reference, x the fastest link in the specs) is not a link."""
+    """Why a row's rate cannot be real, or None. An in-place op at one rank and an empty captured CUDA graph
+    timed nothing; a busbw above PHYSICS_MARGIN x the link (or, with no reference, x the fastest link in
+    the specs) is not a link."""
+    if row.get("one_rank_in_place"):
+        # Checked first and at any rate: a no-op timed at 1 MiB looks like a plausible 100-200 GB/s.
+        return (f"one rank: an in-place {row.get('op', 'op')} moves no data, so any rate for it is impossible "
+                "(its time is call overhead)")
     if row.get("graph_empty"):
         return "the captured CUDA graph is empty: nothing ran, so the time measures nothing"
     busbw = row.get("busbw_gbps")
