@@ -1,4 +1,4 @@
-"""Search quality of `mleng ask` on a labelled query set (dev or held-out): hit@1, hit@3, every miss; JSON out."""
+"""Search quality of `mleng ask` on a labelled query set (a dev set; the frozen sets are measured by bench/handbook_eval.py --frozen): hit@1, hit@3, every miss; JSON out."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ from mleng.handbook.site import index_page, search_data
 
 ENTRIES = default_entries_dir()
 TESTS = Path(__file__).parent
-# Every labelled query of the dev and held-out sets we may read (never the frozen ones).
-QUERY_SETS = ("handbook_devset.yaml", "handbook_heldout.yaml", "handbook_heldout_fresh.yaml", "handbook_oos_dev.yaml")
+# Every labelled query of the dev sets (never the frozen ones).
+QUERY_SETS = ("handbook_devset.yaml", "handbook_devset2.yaml", "handbook_devset3.yaml", "handbook_oos_dev.yaml")
 
 
 def _queries() -> list[str]:
@@ -91,7 +91,7 @@ def test_site_search_in_headless_chromium(tmp_path, run_mleng):
 
 
 @needs_chromium
-def test_site_ranks_every_dev_and_heldout_query_like_ask(tmp_path):
+def test_site_ranks_every_dev_query_like_ask(tmp_path):
     """One browser launch runs every query through the page's search; top-1 and `confident` equal search()'s."""
     entries = [e.to_dict() for e in load_entries(ENTRIES)[0]]
     queries = _queries()

@@ -1,4 +1,4 @@
-"""Search quality of `mleng ask` on the held-out set: real queries nobody tuned the ranking on."""
+"""Search quality of `mleng ask` on the second and third dev sets (real queries that guided ranking work)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from mleng.handbook.search import evaluate, query_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRIES = ROOT / "src" / "mleng" / "handbook" / "entries"
-HELDOUT = ROOT / "tests" / "handbook_heldout.yaml"
+DEVSET2 = ROOT / "tests" / "handbook_devset2.yaml"
 DEVSET = ROOT / "tests" / "handbook_devset.yaml"
 
 
@@ -20,8 +20,8 @@ def _expected(case: dict) -> list[str]:
     return case["expected"] if isinstance(case["expected"], list) else [case["expected"]]
 
 
-def test_heldout_is_real_new_and_labelled():
-    cases = yaml.safe_load(HELDOUT.read_text())
+def test_devset2_is_real_new_and_labelled():
+    cases = yaml.safe_load(DEVSET2.read_text())
     dev_queries = {c["query"].strip() for c in yaml.safe_load(DEVSET.read_text())}
     ids = {e.id for e in load_entries(ENTRIES)[0]}
     assert len(cases) >= 60
@@ -29,18 +29,18 @@ def test_heldout_is_real_new_and_labelled():
         assert case["source"].startswith("https://"), case
         assert case["query"].strip() not in dev_queries, f"also in the dev set: {case['query'][:80]}"
         for entry_id in _expected(case):
-            assert entry_id in ids, f"held-out set names {entry_id!r}, which is not an entry"
+            assert entry_id in ids, f"dev set 2 names {entry_id!r}, which is not an entry"
     assert len({c["query"] for c in cases}) == len(cases), "duplicate queries"
 
 
-def test_search_quality_on_heldout(tmp_path):
-    cases = yaml.safe_load(HELDOUT.read_text())
+def test_search_quality_on_devset2(tmp_path):
+    cases = yaml.safe_load(DEVSET2.read_text())
     index = open_index(ENTRIES, tmp_path / "idx.sqlite")
     try:
         result = evaluate(cases, index, depth=3)
     finally:
         index.close()
-    print(f"\nheld-out: {result['cases']} queries, hit@1 {result['hit_at_1']:.3f}, hit@3 {result['hit_at_3']:.3f}")
+    print(f"\ndev set 2: {result['cases']} queries, hit@1 {result['hit_at_1']:.3f}, hit@3 {result['hit_at_3']:.3f}")
     misses = [f"{'/'.join(_expected(c))} <- {r['query'][:80]!r} (got {r['got']})"
               for c, r in zip(cases, result["rows"]) if not r["position"]]
     assert result["hit_at_3"] >= 0.9, "\n".join(misses)
