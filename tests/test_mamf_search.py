@@ -7,8 +7,8 @@ import pytest
 
 from mleng.errors import UsageError
 from mleng.measure.matmul import (
-    FINAL_ROUNDS, FINALISTS, SearchSpace, Shape, adaptive_search, coarse_candidates, exhaustive_search, parse_dims, parse_grid,
-    parse_range, product_shapes, wave_fitting_pairs,
+    FINAL_ROUNDS, FINALISTS, SEEDS_FILE, SearchSpace, Shape, adaptive_search, coarse_candidates, exhaustive_search,
+    parse_dims, parse_grid, parse_range, product_shapes, seed_shapes, wave_fitting_pairs,
 )
 from mleng.measure.timing import TimingStats
 
@@ -83,6 +83,58 @@ def test_search_stops_at_the_time_budget_and_keeps_the_best_so_far():
     assert elapsed < 1.5
     assert result.best is not None
     assert result.best.tflops_median == max(r.tflops_median for r in result.results if r.phase == "final")
+
+
+def test_a_short_budget_with_the_peak_as_seed_reaches_it_where_the_unseeded_search_does_not():
+    space = SearchSpace(1024, 16384, 64)
+    unseeded = adaptive_search(SyntheticTimer(seconds_per_call=0.002), space, deadline=time.monotonic() + 0.3,
+                               sm_count=132)
+    seeded = adaptive_search(SyntheticTimer(seconds_per_call=0.002), space, deadline=time.monotonic() + 0.3,
+                             sm_count=132, seeds=[Shape(8192, 1024, 2048), PEAK])
+    assert unseeded.stop_reason == seeded.stop_reason == "time budget"
+    assert unseeded.best.tflops_median < 0.97 * PEAK_TFLOPS
+    assert seeded.best.shape == PEAK and seeded.best.phase == "final"
+    assert [r.phase for r in seeded.results[:2]] == ["seed", "seed"]
+
+
+def test_seeds_outside_the_space_are_not_measured():
+    timer = SyntheticTimer()
+    result = adaptive_search(timer, SearchSpace(1024, 4096, 64), deadline=time.monotonic() + 5,
+                             seeds=[Shape(8192, 1024, 2048), Shape(1000, 1024, 1024)])
+    assert all(r.phase != "seed" for r in result.results)
+
+
+def test_seed_shapes_come_from_stored_runs_of_the_same_model_and_dtype_then_the_data_file(tmp_path):
+    from mleng.results.record import Measurement
+    from mleng.results.store import Store
+
+    def run(name: str, dtype: str, best: str, burst: str, status: str = "complete") -> Measurement:
+        m = Measurement.start("mamf", {"dtype": dtype}, machine={})
+        m.summary = {"device_name": name, "dtype": dtype, "best_shape": best, "burst": {"best_shape": burst}}
+        m.finish(status)
+        return m
+
+    store_path = tmp_path / "results.sqlite"
+    with Store(store_path) as store:
+        store.save(run("NVIDIA H200", "bfloat16", "4096x2048x15360", "5632x1536x16000"))
+        store.save(run("NVIDIA H100 80GB HBM3", "bfloat16", "2048x2048x2048", "2048x2048x2048"))
+        store.save(run("NVIDIA H200", "float16", "3072x3072x3072", "3072x3072x3072"))
+        store.save(run("NVIDIA H200", "bfloat16", "1024x1024x1024", "1024x1024x1024", status="interrupted"))
+    data = tmp_path / "seeds.toml"
+    data.write_text('[[seed]]\ndevice_name = "NVIDIA H200"\ndtype = "bfloat16"\n'
+                    'shapes = ["5632x1536x13056", "4096x2048x15360", "bad", "99999x1x1"]\n')
+    seeds, info = seed_shapes("NVIDIA H200", "bfloat16", SearchSpace(1024, 16384, 64), store_path, data)
+    assert [str(s) for s in seeds] == ["4096x2048x15360", "5632x1536x16000", "5632x1536x13056"]
+    assert (info["store"], info["data"]) == (2, 1)
+    none, info = seed_shapes("NVIDIA H200", "bfloat16", SearchSpace(1024, 16384, 64), tmp_path / "absent.sqlite",
+                             tmp_path / "absent.toml")
+    assert none == [] and "data_unread" in info
+
+
+def test_the_shipped_seed_list_parses_and_names_its_sources():
+    seeds, info = seed_shapes("NVIDIA H200", "bfloat16", SearchSpace(1024, 16384, 64), "/nonexistent/store.sqlite")
+    assert info["data"] >= 4 and "data_unread" not in info
+    assert "python bench/mamf_seeds.py" in open(SEEDS_FILE).read()
 
 
 def test_ctrl_c_inside_a_measurement_keeps_what_was_measured():

@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", type=int, default=64,
                         help="adaptive search: finest step, every dimension a multiple of it (default 64)")
     parser.add_argument("--top", type=int, default=10, help="shapes listed in the output (default 10)")
+    parser.add_argument("--no-seeds", action="store_true",
+                        help="adaptive search: do not start from the best shapes of earlier runs on this device "
+                             "model (stored runs, and the data file mleng/measure/data/mamf_seeds.toml)")
     parser.add_argument("--no-store", action="store_true", help="do not save the result in the results store")
 
 
@@ -96,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_all_devices(args)
     options = MamfOptions(device=args.device, dtype=args.dtype, tf32=args.tf32 == "on",
                           fp8_fast_accum=args.fp8_fast_accum, max_seconds=args.max_seconds, shapes=shapes,
-                          min_dim=args.min_dim, max_dim=args.max_dim, granule=args.step, iters=args.iters)
+                          min_dim=args.min_dim, max_dim=args.max_dim, granule=args.step, iters=args.iters,
+                          seeds=not args.no_seeds)
     measurement = _run_one(options, quiet=args.json)
     return _finish(measurement, args)
 
@@ -175,7 +179,14 @@ def render(measurement, top: int = 10) -> str:
     else:
         fields.append(("theoretical", f"unknown: {s.get('spec_note')}"))
     phases = ", ".join(f"{name} {count}" for name, count in s.get("phases", {}).items())
-    fields.append(("shapes tried", f"{s['shapes_tried']} ({phases}); stop: {s['stop_reason']}"))
+    stop = s["stop_reason"]
+    if stop == "time budget":
+        stop += " (the search did not finish: the median is a lower bound on this device's MAMF)"
+    fields.append(("shapes tried", f"{s['shapes_tried']} ({phases}); stop: {stop}"))
+    seeds = s.get("seeds")
+    if seeds and seeds.get("shapes"):
+        fields.append(("seeds", f"{len(seeds['shapes'])} shapes first ({seeds['store']} from stored runs, "
+                                f"{seeds['data']} from the seed list)"))
     fields.append(("elapsed", f"{s['wall_s_from_process_start']:.1f} s from process start"))
     gpu = s.get("gpu_monitor_measuring") or s.get("gpu_monitor") or {}
     if gpu.get("available") and gpu.get("sm_clock_mhz"):
@@ -265,6 +276,8 @@ def _run_all_devices(args: argparse.Namespace) -> int:
                 argv += [f"--{flag}", *map(str, value)]
         if args.fp8_fast_accum:
             argv.append("--fp8-fast-accum")
+        if args.no_seeds:
+            argv.append("--no-seeds")
         return argv
 
     if not args.json:

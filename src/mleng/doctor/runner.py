@@ -19,7 +19,7 @@ TIERS = ("quick", "default", "full")
 def _measurement_plan(tier: str, has_gpu: bool, checkpoint_dir: str) -> list[tuple[str, list[str], float]]:
     """(name, mleng argv, timeout_s) per quick measurement; sizes grow with the tier."""
     # On a GPU the budget counts CUDA start-up too: below ~20 s the search barely leaves its coarse sweep.
-    mamf_seconds = {"quick": 20 if has_gpu else 8, "default": 30 if has_gpu else 20, "full": 60}[tier]
+    mamf_seconds = {"quick": 15 if has_gpu else 8, "default": 30 if has_gpu else 20, "full": 60}[tier]
     mamf = ["mamf", "--max-seconds", str(mamf_seconds)]
     if not has_gpu:
         mamf += ["--device", "cpu", "--max-dim", "1024" if tier != "full" else "2048"]

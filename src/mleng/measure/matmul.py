@@ -160,7 +160,7 @@ class SearchSpace:
         return Shape(self.hi, self.hi, self.hi)
 
 
-# measure(shape, iters, phase): phase is "coarse", "refine", "grid", "probe", "final" or "burst";
+# measure(shape, iters, phase): phase is "seed", "coarse", "refine", "grid", "probe", "final" or "burst";
 # the real measurement warms up or idles by phase (see FINAL_WARMUP_S).
 Measure = Callable[[Shape, int, str], TimingStats]
 OnResult = Callable[[ShapeResult, "ShapeResult | None"], None]
@@ -288,18 +288,28 @@ class _Search:
 
 def adaptive_search(measure: Measure, space: SearchSpace, *, deadline: float,
                     on_result: OnResult | None = None, sm_count: int | None = None,
-                    final_fixed_s: float = 0.0, bursts: bool = True) -> SearchResult:
-    """Coarse sweep, pattern-search refinement around the best shapes, then finalists re-measured.
+                    final_fixed_s: float = 0.0, bursts: bool = True,
+                    seeds: Sequence[Shape] = ()) -> SearchResult:
+    """Seeds, coarse sweep, pattern-search refinement around the best shapes, then finalists re-measured.
 
     `measure(shape, iters, phase)` times one shape; `deadline` is a time.monotonic() value. The search
     stops at the deadline (keeping time for the finalists) or when refinement no longer finds
     a better shape. Ctrl-C stops it and keeps what was measured. `final_fixed_s` is the time each
     finalist's protocol adds beyond its calls (warm-up seconds, idle gap), for the time reserved;
-    `bursts` adds each finalist's measurement from a rested card (phase "burst").
+    `bursts` adds each finalist's measurement from a rested card (phase "burst"). `seeds` (shapes
+    that were fastest on this kind of device before, phase "seed") are screened first, so that a
+    short budget spends its finalists on shapes known to be good rather than on the smallest ones
+    of the sweep.
     """
     search = _Search(measure, deadline, on_result, final_fixed_s, bursts)
     stop_reason = "converged"
     try:
+        for shape in seeds:
+            # Seeds are few and likely finalists: screen them while the finalists still fit.
+            if search.screened and search.time_left() < search.finals_reserve_s():
+                break
+            if space.contains(shape):
+                search.screen(shape, SCREEN_ITERS, "seed")
         for shape in coarse_candidates(space, sm_count):
             if search.screened and search.time_left() < 2 * search.finals_reserve_s():
                 stop_reason = "time budget"
@@ -811,6 +821,64 @@ class MatmulBench:
                 "clock_settled": settled}
 
 
+# ---------------------------------------------------------------- seeds: where to look first
+
+SEEDS_FILE = os.path.join(os.path.dirname(__file__), "data", "mamf_seeds.toml")
+# Stored runs consulted for seeds: the newest few of the same device model and dtype.
+STORE_SEED_RUNS = 5
+
+
+def _shape_from_text(text: Any) -> Shape | None:
+    try:
+        m, n, k = (int(v) for v in str(text).lower().split("x"))
+    except (TypeError, ValueError):
+        return None
+    return Shape(m, n, k) if min(m, n, k) > 0 else None
+
+
+def seed_shapes(name: str, dtype: str, space: SearchSpace, store_path: str | os.PathLike | None = None,
+                seeds_file: str | os.PathLike = SEEDS_FILE) -> tuple[list[Shape], dict[str, Any]]:
+    """Shapes that were fastest on this device model before: from stored runs, then the data file.
+
+    Seeds only decide where the search looks first; every seed is measured like any other shape, so
+    a wrong or stale seed costs a few milliseconds and cannot raise the result. An unreadable store
+    or data file gives no seeds (and says why in the returned provenance), never an error.
+    """
+    import tomllib
+
+    seeds: list[Shape] = []
+    provenance: dict[str, Any] = {"store": 0, "data": 0}
+
+    def add(shape: Shape | None, source: str) -> None:
+        if shape is not None and space.contains(shape) and shape not in seeds:
+            seeds.append(shape)
+            provenance[source] += 1
+
+    try:
+        from mleng.results.store import Store
+
+        with Store(store_path, create=False) as store:
+            runs = [r for r in store.list(kind="mamf", limit=200)
+                    if r["status"] == "complete" and r["summary"].get("device_name") == name
+                    and r["summary"].get("dtype") == dtype][:STORE_SEED_RUNS]
+        for run in runs:
+            add(_shape_from_text(run["summary"].get("best_shape")), "store")
+            add(_shape_from_text((run["summary"].get("burst") or {}).get("best_shape")), "store")
+    except (MlengError, OSError, ValueError) as exc:
+        provenance["store_unread"] = str(exc).splitlines()[0]
+    try:
+        with open(seeds_file, "rb") as f:
+            data = tomllib.load(f)
+        for entry in data.get("seed", []):
+            if entry.get("device_name") == name and entry.get("dtype") == dtype:
+                for text in entry.get("shapes", []):
+                    add(_shape_from_text(text), "data")
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        provenance["data_unread"] = str(exc).splitlines()[0]
+    provenance["shapes"] = [str(s) for s in seeds]
+    return seeds, provenance
+
+
 # ---------------------------------------------------------------- one whole run
 
 @dataclasses.dataclass
@@ -825,6 +893,8 @@ class MamfOptions:
     max_dim: int | None = None
     granule: int = 64
     iters: int | None = None          # finalist/exact iteration count; None: adaptive
+    seeds: bool = True                # start from the best shapes of earlier runs on this device model
+    store_path: str | None = None     # where earlier runs are read from (None: the default store)
 
 
 def _signal_name() -> str:
@@ -878,7 +948,8 @@ def run_mamf(options: MamfOptions, on_result: OnResult | None = None,
     params = {"device": str(device), "dtype": dtype, "tf32": options.tf32, "max_seconds": options.max_seconds,
               "search": "adaptive" if space else "exhaustive",
               "space": dataclasses.asdict(space) if space else None,
-              "shapes": len(shapes) if space is None else None, "iters": options.iters}
+              "shapes": len(shapes) if space is None else None, "iters": options.iters,
+              "seeds": options.seeds if space else None}
     if dtype in FP8_DTYPES:
         params["fp8_fast_accum"] = options.fp8_fast_accum
     measurement = Measurement.start("mamf", params, machine=collect_for_record())
@@ -906,6 +977,7 @@ def run_mamf(options: MamfOptions, on_result: OnResult | None = None,
 
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
     warm: dict[str, Any] | None = None
+    seed_info: dict[str, Any] | None = None
     search: SearchResult | None = None
     interrupted = False
     try:
@@ -929,8 +1001,12 @@ def run_mamf(options: MamfOptions, on_result: OnResult | None = None,
             if monitor is not None:
                 phase_windows["warmup"] = [monitor.now_s() - warm["seconds"], monitor.now_s()]
         if space is not None:
+            seeds: list[Shape] = []
+            if options.seeds:
+                seeds, seed_info = seed_shapes(name, dtype, space, options.store_path)
             search = adaptive_search(bench, space, deadline=deadline, on_result=record, sm_count=sm_count,
-                                     final_fixed_s=bench.final_fixed_s, bursts=bench.has_boost_clock)
+                                     final_fixed_s=bench.final_fixed_s, bursts=bench.has_boost_clock,
+                                     seeds=seeds)
         else:
             search = exhaustive_search(bench, shapes, deadline=deadline, on_result=record, iters=options.iters,
                                        final_fixed_s=bench.final_fixed_s, bursts=bench.has_boost_clock)
@@ -975,6 +1051,7 @@ def run_mamf(options: MamfOptions, on_result: OnResult | None = None,
         "search": params["search"],
         "wall_s_from_process_start": round(process_elapsed_s(), 2),
         "warmup": warm,
+        "seeds": seed_info,
     }
     if monitor is not None:
         overall = monitor.summary()
