@@ -25,6 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpus", metavar="LIST",
                         help="the CPUs the job's rank will be bound to (e.g. 0-55,112-167), for the NUMA check; "
                              "default: SLURM's --cpu-bind, else the binding this process inherited")
+    parser.add_argument("--since", metavar="WHEN",
+                        help="kernel-log window: 'boot' (default), a duration back from now (30m, 2h, 1d) or a "
+                             "date-time (2026-12-01T10:00)")
+    parser.add_argument("--kernel-log", metavar="FILE",
+                        help="judge a saved kernel log (dmesg, dmesg -T, journalctl -k, syslog) instead of this "
+                             "machine's: the log of a node diagnosed with --fingerprint")
     parser.add_argument("--report", metavar="FILE.html", help="also write a self-contained HTML report")
     parser.add_argument("--no-store", action="store_true", help="do not save the doctor run in the results store")
 
@@ -62,12 +68,39 @@ def _linked_measurements(record) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mleng.cli.common import exit_code_for
+    from mleng.errors import MlengError
+
+    progress = None if args.json else (lambda text: print(f"... {text}", file=sys.stderr, flush=True))
+    record, stored, report, report_note = diagnose(args, progress)
+    if report is not None:
+        from mleng.report.html import write_report
+
+        try:
+            write_report([record] + _linked_measurements(record), str(report), title="mleng doctor report")
+        except (OSError, MlengError) as exc:  # the folder vanished meanwhile: the findings still print
+            report_note = None
+            print(f"mleng doctor: warning: no report written: {exc}", file=sys.stderr)
+    if args.json:
+        print_json(record.to_dict())
+    else:
+        print(render(record, stored))
+        if report is not None and report_note is not None:
+            print(f"report: {report}{report_note}")
+    if record.status == "interrupted":
+        return exit_code_for(record)
+    return EXIT_PROBLEM if record.summary["verdict"] == "fail" else EXIT_OK
+
+
+def diagnose(args: argparse.Namespace, progress=None):
+    """The doctor run without the report and the printing: the inputs checked before it, the record stored
+    unless --no-store. Returns (record, stored id or None, report path or None, its replacing note);
+    `record.to_dict()` is what `mleng doctor --json` prints."""
     from mleng.doctor.runner import run_doctor
 
     import os
 
-    from mleng.cli.common import check_output_path, exit_code_for, preflight_store, replacing_note, store_or_warn
-    from mleng.errors import MlengError
+    from mleng.cli.common import check_output_path, preflight_store, replacing_note, store_or_warn
 
     tier = "quick" if args.quick else ("full" if args.full else "default")
     # Everything the user typed is checked before the run, which takes minutes.
@@ -92,32 +125,28 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError
         except ValueError:
             raise UsageError(f"--cpus {args.cpus!r} is not a CPU list", hint="write it as the kernel does: 0-55,112-167") from None
+    if args.since is not None:
+        from mleng.machine.kernel_log import parse_since
+
+        try:
+            parse_since(args.since)
+        except ValueError as exc:
+            raise UsageError(f"--since {exc}", hint="e.g. --since 2h, --since 1d, --since 2026-12-01T10:00") from None
+    if args.kernel_log is not None:
+        if not os.path.exists(args.kernel_log):
+            raise UsageError(f"--kernel-log {args.kernel_log} does not exist",
+                             hint="save a node's log with `sudo dmesg > FILE` or `journalctl -k -b > FILE`")
+        if not os.path.isfile(args.kernel_log) or not os.access(args.kernel_log, os.R_OK):
+            raise UsageError(f"--kernel-log {args.kernel_log} is not a readable file")
     report = check_output_path(args.report, "--report", (".html", ".htm"))
     report_note = replacing_note(report)
     fingerprint = _load_fingerprint(args.fingerprint) if args.fingerprint else None
     preflight_store(args)
-    progress = None if args.json else (lambda text: print(f"... {text}", file=sys.stderr, flush=True))
     record = run_doctor(tier=tier, expect_gpus=args.expect_gpus, checkpoint_dir=args.checkpoint_dir,
                         measure=not (args.no_measure or args.fingerprint), fingerprint=fingerprint,
-                        on_step=progress, local=fingerprint is None, cpus=args.cpus)
-    stored = store_or_warn(record, args)
-    if report is not None:
-        from mleng.report.html import write_report
-
-        try:
-            write_report([record] + _linked_measurements(record), str(report), title="mleng doctor report")
-        except (OSError, MlengError) as exc:  # the folder vanished meanwhile: the findings still print
-            report_note = None
-            print(f"mleng doctor: warning: no report written: {exc}", file=sys.stderr)
-    if args.json:
-        print_json(record.to_dict())
-    else:
-        print(render(record, stored))
-        if report is not None and report_note is not None:
-            print(f"report: {report}{report_note}")
-    if record.status == "interrupted":
-        return exit_code_for(record)
-    return EXIT_PROBLEM if record.summary["verdict"] == "fail" else EXIT_OK
+                        on_step=progress, local=fingerprint is None, cpus=args.cpus, since=args.since,
+                        kernel_log_path=args.kernel_log)
+    return record, store_or_warn(record, args), report, report_note
 
 
 def _collapse_per_gpu(rows: list[dict]) -> list[dict]:

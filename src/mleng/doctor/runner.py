@@ -112,10 +112,39 @@ def judge_measurement(name: str, outcome: dict[str, Any], fp: dict[str, Any], ch
     return []
 
 
+def kernel_log_findings(fp: dict[str, Any], local: bool, since: str | None,
+                        kernel_log_path: str | None) -> list[Finding]:
+    """The kernel-log checks on this machine's log, or on a saved one (--kernel-log FILE)."""
+    from mleng.doctor.kernel_log import check_kernel_log
+    from mleng.machine import kernel_log
+
+    if kernel_log_path:
+        log = kernel_log.read_saved_log(kernel_log_path)
+    elif local:
+        log = kernel_log.read_kernel_log()
+    else:
+        host = (fp.get("host") or {}).get("hostname") or "the fingerprint's host"
+        return [checks.skipped("kernel_log", f"not read: the kernel log is read on the machine itself, not from "
+                               f"{host}'s fingerprint; run the doctor there, or pass its log with --kernel-log FILE "
+                               "(sudo dmesg > FILE)")]
+    window = kernel_log.parse_since(since) if since else None
+    if window and log.get("saved") and window["kind"] != "boot":
+        # A saved log ends when it was saved: a duration counts back from its last line; its boot's date is unknown.
+        stamps = [t for t, _text in log.get("lines") or [] if t is not None]
+        if window["kind"] == "duration" and stamps:
+            window = kernel_log.parse_since(since, uptime=max(stamps))
+            window["label"] += " of the saved log"
+        else:
+            window = {"label": f"{window['label']} not applied: the saved log does not say when it was booted",
+                      "since_boot_s": None, "kind": "boot"}
+    return check_kernel_log(log, fp, window)
+
+
 def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint_dir: str | None = None,
                measure: bool = True, fingerprint: dict[str, Any] | None = None,
                on_step: Callable[[str], None] | None = None, local: bool | None = None,
-               cpus: str | None = None) -> Measurement:
+               cpus: str | None = None, since: str | None = None,
+               kernel_log_path: str | None = None) -> Measurement:
     """Everything `mleng doctor` does, as one Measurement of kind "doctor" whose rows are findings."""
     # local: the fingerprint is this machine's, so checks that read the machine itself (its disk) apply
     local = fingerprint is None if local is None else local
@@ -128,7 +157,8 @@ def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint
         fingerprint = collect()
     record = Measurement.start("doctor", params={"tier": tier, "expect_gpus": expect_gpus,
                                                  "checkpoint_dir": checkpoint_dir, "measure": measure,
-                                                 "cpus": cpus, "local": local},
+                                                 "cpus": cpus, "local": local, "since": since or "boot",
+                                                 "kernel_log": kernel_log_path},
                                machine=fingerprint)
     findings: list[Finding] = []
     measurements: dict[str, str] = {}
@@ -159,6 +189,8 @@ def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint
         host = (fingerprint.get("host") or {}).get("hostname") or "the fingerprint's host"
         findings.append(checks.skipped("checkpoint_disk", f"not checked: the disk is read from this machine, "
                                        f"not from {host}; run the doctor there"))
+    step("kernel log")
+    findings += kernel_log_findings(fingerprint, local, since, kernel_log_path)
     findings.sort(key=lambda f: SEVERITY_RANK[f.severity])
     record.rows = [f.to_row() for f in findings]
     counts = {s: sum(f.severity == s for f in findings) for s in ("fail", "warn", "ok", "inconclusive", "skipped")}
