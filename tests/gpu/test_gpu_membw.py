@@ -1,4 +1,4 @@
-"""membw on CUDA: the Triton copy/read/write kernels, torch and host<->device copies, the PCIe link, the CLI."""
+"""membw on CUDA: the Triton copy/read/write kernels, torch, driver and host<->device copies, the PCIe link, the CLI."""
 
 import json
 
@@ -54,11 +54,12 @@ def test_measure_device_rows_are_physical(torch_cuda, device):
     from mleng.measure import membw
 
     torch = torch_cuda
-    engines = ["torch", "triton"] if membw.triton_available()[0] else ["torch"]
+    engines = ["torch", "triton", "driver"] if membw.triton_available()[0] else ["torch", "driver"]
     rows = membw.measure_device("cuda:0", size_bytes=SIZE, engines=engines, host_size_bytes=64 * 2**20,
                                 iters=5, warmup=2)
     measured = {(r["test"], r["engine"], r.get("host_memory")): r for r in rows if "gbps" in r}
-    expected = {(t, e, None) for t in ("copy", "read", "write") for e in engines}
+    expected = {(t, e, None) for t in ("copy", "read", "write") for e in engines if e != "driver"}
+    expected.add(("copy", "driver", None))  # the driver engine has only the copy (cuMemcpyDtoDAsync)
     expected |= {(t, "torch", m) for t in ("h2d", "d2h") for m in ("pinned", "pageable")}
     assert set(measured) == expected
     hbm = _hbm_gbps(torch)
@@ -105,6 +106,7 @@ def test_membw_cli_small_size(run_mleng, torch_cuda):
     assert s["device"] == "cuda:0" and s["value"] > 50
     for key in ("read_gbps", "write_gbps", "h2d_pinned_gbps", "d2h_pinned_gbps", "h2d_pageable_gbps"):
         assert s.get(key) and s[key] > 0, key
+    assert "driver" in s["per_device"]["cuda:0"]["copy_gbps_by_engine"]
     device = s["devices"]["cuda:0"]
     assert device["name"] == torch_cuda.cuda.get_device_name(0)
     assert device["pcie"]["gen"] and device["pcie"]["width"]

@@ -19,8 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "far beyond L2/LLC is the point)")
     parser.add_argument("--tests", default=None,
                         help="comma-separated subset of copy,read,write,h2d,d2h (default: all that apply)")
-    parser.add_argument("--engine", choices=["torch", "triton", "all"], default="all",
-                        help="kernels to time on a GPU (default all: torch, plus Triton when installed)")
+    parser.add_argument("--engine", choices=["torch", "triton", "driver", "all"], default="all",
+                        help="kernels to time on a GPU (default all: torch, Triton when installed, and the "
+                             "CUDA driver's own device-to-device copy, cuMemcpyDtoDAsync, for the copy ceiling)")
     parser.add_argument("--iters", type=int, default=20, help="timed iterations per test (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for CPU memory (default: all usable cores)")

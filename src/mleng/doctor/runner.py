@@ -96,7 +96,8 @@ def judge_measurement(name: str, outcome: dict[str, Any], fp: dict[str, Any], ch
     record = outcome["record"]
     summary = dict(record.get("summary") or {})
     if record.get("status") == "failed" or summary.get("value") is None and name != "storage":
-        return [inconclusive(name, f"{name} measurement failed: {record.get('error') or 'no result'}")]
+        row_error = next((r.get("error") for r in record.get("rows") or [] if r.get("error")), None)
+        return [inconclusive(name, f"{name} measurement failed: {record.get('error') or row_error or 'no result'}")]
     if name == "matmul":
         summary.setdefault("dtype", (record.get("params") or {}).get("dtype"))
         return [checks.check_matmul(summary, _vendor(fp))]
@@ -167,7 +168,13 @@ def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint
     interrupted = False
     try:
         if measure:
+            gpu_count = len(checks.gpu_devices(fingerprint))
             for name, argv, timeout_s in _measurement_plan(tier, has_gpu, checkpoint_dir):
+                if name == "collective" and gpu_count == 1:
+                    # One rank's all-reduce moves no data: there is no rate to judge (comm says so too).
+                    findings.append(checks.skipped("collective", "one GPU: no link between GPUs to measure; "
+                                                   "run the doctor on a node with several GPUs, or `mleng check`"))
+                    continue
                 step(f"measure {name}: mleng {' '.join(argv)}")
                 outcome = run_mleng_json(argv, timeout_s)
                 if "record" in outcome:
@@ -183,6 +190,11 @@ def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint
     findings += checks.check_numa_affinity(fingerprint, cpus)
     for name in ("ecc", "pcie_link", "nvlink", "nccl_env", "dev_shm", "memlock"):
         findings += checks.FINGERPRINT_CHECKS[name](fingerprint)
+    from mleng.doctor.config import CONFIG_CHECKS
+    from mleng.doctor.counters import COUNTER_CHECKS
+
+    for check in (*COUNTER_CHECKS.values(), *CONFIG_CHECKS.values()):
+        findings += check(fingerprint)
     if local:
         findings += checks.check_disk(checkpoint_dir)
     else:

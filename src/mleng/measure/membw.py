@@ -13,7 +13,10 @@ from mleng.measure.timing import cpu_model_name
 
 TESTS = ("copy", "read", "write", "h2d", "d2h")
 CPU_TESTS = ("copy", "read", "write")
-ENGINES = ("torch", "triton")
+ENGINES = ("torch", "triton", "driver")
+# The driver engine is the CUDA driver's own device-to-device copy (cuMemcpyDtoDAsync): the
+# ceiling a copy kernel of ours is compared with. It has no read or write test.
+DRIVER_TESTS = ("copy",)
 DEFAULT_GPU_SIZE = 4 * 2**30
 DEFAULT_CPU_SIZE = 1 * 2**30
 # Host transfers need no more than this to be far past any cache, and pinning more host
@@ -33,6 +36,32 @@ _PATTERN_ELEMENTS = 4096
 TRITON_COPY = (2048, 16)
 TRITON_READ = (16384, 8)
 TRITON_WRITE = (4096, 8)
+
+
+def driver_copy(src, dst) -> tuple[Callable[[], None] | None, str | None]:
+    """A call of cuMemcpyDtoDAsync (libcuda) from src to dst on torch's current stream, or None and why not."""
+    import ctypes
+
+    import torch
+
+    if getattr(torch.version, "hip", None):
+        return None, "the CUDA driver copy is NVIDIA-only (this is a ROCm build)"
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        memcpy = lib.cuMemcpyDtoDAsync_v2
+    except (OSError, AttributeError) as exc:
+        return None, f"libcuda.so.1 has no cuMemcpyDtoDAsync_v2 here ({exc})"
+    memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+    memcpy.restype = ctypes.c_int
+    nbytes = src.numel() * src.element_size()
+
+    def call() -> None:
+        code = memcpy(dst.data_ptr(), src.data_ptr(), nbytes, torch.cuda.current_stream().cuda_stream)
+        if code != 0:
+            raise MlengError(f"cuMemcpyDtoDAsync failed with CUDA driver error {code}",
+                             hint="run `mleng membw --engine torch` and report the error code")
+
+    return call, None
 
 
 def round_size(size_bytes: int) -> int:
@@ -315,11 +344,20 @@ def measure_device(device: str, *, size_bytes: int, tests: Iterable[str] = TESTS
             kernels[("copy", "triton")] = (lambda: triton_copy(src, dst), 2 * size_bytes)
             kernels[("read", "triton")] = (lambda: triton_read(src, partial), size_bytes + partial_bytes)
             kernels[("write", "triton")] = (lambda: triton_write(pattern, dst), size_bytes)
+    if "driver" in engines:
+        call, reason = driver_copy(src, dst)
+        if call is None:
+            engines = [e for e in engines if e != "driver"]
+            emit({"device": device, "test": "driver", "engine": "driver", "skipped": reason})
+        else:
+            kernels[("copy", "driver")] = (call, 2 * size_bytes)
 
     for test in tests:
         if test in ("h2d", "d2h"):
             continue
         for engine in engines:
+            if (test, engine) not in kernels:
+                continue
             fn, bytes_moved = kernels[(test, engine)]
             if before_test is not None:
                 before_test(f"{test}/{engine}")
@@ -541,6 +579,8 @@ def summarize(rows: list[dict[str, Any]], context: dict[str, dict[str, Any]]) ->
             continue  # a store of random data ran: the headline uses that, not the constant fill
         key = row["test"] if not row.get("host_memory") else f"{row['test']}_{row['host_memory']}"
         entry = per_device.setdefault(row["device"], {"name": context.get(row["device"], {}).get("name")})
+        if key == "copy":
+            entry.setdefault("copy_gbps_by_engine", {})[row["engine"]] = row["gbps"]
         best = entry.get(f"{key}_gbps")
         if best is None or row["gbps"] > best:
             entry[f"{key}_gbps"] = row["gbps"]
@@ -579,13 +619,15 @@ def run_membw(*, device: int | None = None, all_devices: bool = False, size_byte
     devices = resolve_devices(device, all_devices)
     on_gpu = devices[0] != "cpu"
     if engines is None:
-        engines = ["torch", "triton"] if on_gpu and triton_available()[0] else ["torch"]
+        engines = ["torch"] if not on_gpu else (["torch", "triton", "driver"] if triton_available()[0]
+                                                  else ["torch", "driver"])
     engines = list(engines)
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         raise UsageError(f"unknown engine(s) {', '.join(bad)}", hint=f"choose from {', '.join(ENGINES)}")
-    if not on_gpu and "triton" in engines:
-        raise NotAvailableError("--engine triton runs on CUDA GPUs, and this run measures the CPU",
+    if not on_gpu and ("triton" in engines or "driver" in engines):
+        raise NotAvailableError(f"--engine {'triton' if 'triton' in engines else 'driver'} runs on CUDA GPUs, "
+                                "and this run measures the CPU",
                                 hint="drop --engine (the CPU is measured with torch)")
     if not on_gpu:
         tests = [t for t in tests if t in CPU_TESTS]
