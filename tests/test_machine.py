@@ -195,7 +195,7 @@ def test_infiniband_sysfs_parsing(tmp_path):
     assert first["netdevs"] == ["ib0"]
     assert first["ports"] == [{"port": 1, "state": "ACTIVE", "state_code": 4, "phys_state": "LinkUp",
                                "phys_state_code": 5, "rate": "400 Gb/sec (4X NDR)", "rate_gbps": 400.0,
-                               "link_layer": "InfiniBand"}]
+                               "link_layer": "InfiniBand", "counters": None}]  # no counters/ folder here
     assert second["board_id"] is None and second["netdevs"] == []
     assert [(p["port"], p["state"], p["phys_state"], p["rate_gbps"], p["link_layer"]) for p in second["ports"]] == [
         (1, "DOWN", "Disabled", 100.0, "Ethernet"), (2, "ACTIVE", "LinkUp", 200.0, "Ethernet")]

@@ -65,7 +65,8 @@ def test_h200_fixture_devices_have_the_record_shape(name):
         assert set(device["nvlinks"][0]) == {"link", "state", "version", "version_name"}
         assert system.parse_cpulist(device["cpu_affinity"])
     assert len({d["uuid"] for d in gpus["devices"]}) == 8
-    port_keys = {"port", "state", "state_code", "phys_state", "phys_state_code", "rate", "rate_gbps", "link_layer"}
+    port_keys = {"port", "state", "state_code", "phys_state", "phys_state_code", "rate", "rate_gbps", "link_layer",
+                 "counters"}
     for dev in fp["infiniband"]["devices"]:
         assert set(dev) == {"name", "hca_type", "fw_ver", "board_id", "netdevs", "ports"}
         assert all(set(p) == port_keys for p in dev["ports"])
@@ -135,7 +136,10 @@ def test_fixtures_are_what_the_generator_writes():
 @pytest.mark.parametrize("name", RECORDED)
 def test_recorded_h200_devices_have_the_record_shape(name):
     devices = load(name)["gpus"]["devices"]
-    assert len(devices) == 1 and set(devices[0]) == set(nvml.device_from_raw({}))
+    # recorded by an older mleng: the fields added since (NVLink/PCIe error counters, application clocks,
+    # fabric state) are absent, as in users' stores; the doctor reads them as not recorded
+    assert len(devices) == 1 and set(devices[0]) <= set(nvml.device_from_raw({}))
+    assert {"uuid", "pci_bus_id", "ecc_errors", "remapped_rows", "nvlinks"} <= set(devices[0])
     assert devices[0]["name"] == "NVIDIA H200" and devices[0]["memory_total_bytes"] == 150754820096
 
 

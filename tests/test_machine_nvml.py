@@ -175,6 +175,8 @@ def _stand_in_pynvml(failures: dict[str, int]) -> types.SimpleNamespace:
         "nvmlDeviceGetCurrPcieLinkGeneration": 5, "nvmlDeviceGetMaxPcieLinkGeneration": 5,
         "nvmlDeviceGetGpuMaxPcieLinkGeneration": 5, "nvmlDeviceGetCurrPcieLinkWidth": 16,
         "nvmlDeviceGetMaxPcieLinkWidth": 16, "nvmlDeviceGetNumaNodeId": 0, "nvmlDeviceGetCpuAffinity": [0b11],
+        "nvmlDeviceGetPcieReplayCounter": 0, "nvmlDeviceGetApplicationsClock": 1980,
+        "nvmlDeviceGetDefaultApplicationsClock": 1980,
     }
     module = types.SimpleNamespace(**{name: getattr(pynvml, name) for name in dir(pynvml)
                                       if name.startswith(("NVML_", "NVMLError", "nvmlClocks"))})

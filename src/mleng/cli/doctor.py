@@ -152,6 +152,7 @@ def diagnose(args: argparse.Namespace, progress=None):
 def _collapse_per_gpu(rows: list[dict]) -> list[dict]:
     """One line for a check that is ok (or not applicable) on every GPU, instead of one per GPU."""
     out, folded = [], {}
+    rows = _collapse_same_detail(rows)
     for row in rows:
         per_gpu = str(row.get("subject") or "").startswith("gpu ")
         if per_gpu and row["severity"] in ("ok", "skipped"):
@@ -175,6 +176,28 @@ def _collapse_per_gpu(rows: list[dict]) -> list[dict]:
             spread = f"; measured {min(measured):.4g}-{max(measured):.4g}" if measured else ""
             expected = f" (expected {members[0]['expected']})" if members[0].get("expected") is not None else ""
             row["summary"] = f"{len(members)} GPUs ({gpus}) {row['severity']}{spread}{expected}"
+    return out
+
+
+def _collapse_same_detail(rows: list[dict]) -> list[dict]:
+    """One line for ok InfiniBand ports that read the same ('8 ports (mlx5_0 port 1, ...) (InfiniBand): ACTIVE at ...')."""
+    out, folded = [], {}
+    for row in rows:
+        subject = str(row.get("subject") or "")
+        prefix = f"{subject} ("
+        if row["check"] == "ib_port" and row["severity"] == "ok" and row["summary"].startswith(prefix):
+            layer_and_detail = row["summary"][len(subject):]
+            key = (row["check"], layer_and_detail)
+            if key not in folded:
+                folded[key] = {**row, "members": []}
+                out.append(folded[key])
+            folded[key]["members"].append(subject.split(" (")[0])
+            continue
+        out.append(row)
+    for (_check, detail), row in folded.items():
+        members = row.pop("members")
+        if len(members) > 1:
+            row["summary"] = f"{len(members)} ports ({', '.join(members)}){detail}"
     return out
 
 

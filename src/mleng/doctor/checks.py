@@ -168,8 +168,9 @@ def check_ecc(fp: dict[str, Any]) -> list[Finding]:
                                  handbook=["ecc-uncorrectable-errors", "xid-48-double-bit-ecc",
                                            "xid-94-95-contained-uncontained-ecc", "xid-63-64-row-remapping"]))
         elif d.get("ecc_mode_enabled") is False:
-            findings.append(warn("ecc", f"{subject}: ECC is disabled", subject=subject,
-                                 handbook=["ecc-uncorrectable-errors"]))
+            # the ecc_mode check warns about the setting; here: with ECC off no error is detected or counted
+            findings.append(inconclusive("ecc", f"{subject}: ECC is off, so memory errors are neither detected nor "
+                                         "counted", subject=subject))
         elif (errors.get("aggregate_corrected") or 0) > 1000:
             findings.append(warn("ecc", f"{subject}: {errors['aggregate_corrected']} corrected ECC errors over its "
                                  "lifetime; watch for growth", subject=subject, measured=errors,

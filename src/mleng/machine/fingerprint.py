@@ -42,12 +42,22 @@ cpu_only.json is a machine without a GPU.
                    nvlinks: [{link, state: "active"|"inactive", version (NVML enum: 6), version_name ("4.0")}]
                                   (empty on PCIe cards and single-GPU VMs),
                    numa_node, cpu_affinity ("0-55,112-167"; NVML, else sysfs local_cpulist),
-                   unreadable: {field: NVML error} for reads that failed other than Not Supported
+                   unreadable: {field: NVML error} for reads that failed other than Not Supported,
+                   ecc_mode_pending (the mode after the next reboot), pcie_replay_count (since the driver loaded),
+                   nvlink_errors: {per_link: {link: {replay, recovery, crc_flit, crc_data}}, total: {...}} or null,
+                   applications_clocks: {sm_mhz, sm_default_mhz, mem_mhz, mem_default_mhz} or null,
+                   fabric: {state ("completed", "in_progress", "not_started", "not_supported"), status (NVML
+                            return code), status_ok} or null (no fabric API / not an NVSwitch GPU)
                    A GPU NVML cannot open at all is {index, error} (e.g. "GPU is lost").
+                   Fingerprints recorded by an older mleng lack the fields after unreadable: the doctor says so.
+      nvswitches   {count, pci: ["0000:05:00.0", ...]} NVIDIA PCI bridges (class 0x0680) = NVSwitches (with GPUs only)
+      fabric_manager {running, pid} nv-fabricmanager among the processes this one can see (with GPUs only)
     numa           {available, nodes: [{node, cpulist, memory_total_bytes}]}   /sys/devices/system/node
     infiniband     {available, devices: [{name, hca_type, fw_ver, board_id, netdevs: [ifname...],
                     ports: [{port, state ("ACTIVE"), state_code (4), phys_state ("LinkUp"), phys_state_code (5),
-                             rate ("400 Gb/sec (4X NDR)"), rate_gbps (400.0), link_layer ("InfiniBand"|"Ethernet")}]}]}
+                             rate ("400 Gb/sec (4X NDR)"), rate_gbps (400.0), link_layer ("InfiniBand"|"Ethernet"),
+                             counters: {symbol_error, link_downed, link_error_recovery, port_rcv_errors, ... } or null}]}],
+                    gpudirect: {nvidia_peermem: bool or null, module}}
                    or {available: false, reason: "/sys/class/infiniband absent: no InfiniBand/RoCE devices"}
     network        {available, interfaces: [{name, state ("up"), speed_mbps (null if unknown), mtu,
                     kind ("ethernet"|"infiniband"|"loopback"|...), virtual}]}      /sys/class/net
@@ -114,6 +124,10 @@ def collect(gpus: bool = True, torch_versions: bool = True) -> dict[str, Any]:
         if soft["cuda_driver"] is None:
             soft["unavailable"]["cuda_driver"] = gpu_section.get("reason") or "NVML did not report a CUDA version"
     gpu_section.setdefault("devices", [])
+    if gpu_section.get("available"):
+        # what the doctor needs to judge the NVLink fabric: the switches on PCI and the daemon that runs them
+        gpu_section["nvswitches"] = _section(system.nvswitch_info)
+        gpu_section["fabric_manager"] = _section(system.fabric_manager_info)
     fingerprint["numa"] = _section(system.numa_info)
     fingerprint["infiniband"] = _section(system.infiniband_info)
     fingerprint["network"] = _section(system.network_info)

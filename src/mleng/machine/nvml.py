@@ -214,6 +214,8 @@ def device_from_raw(raw: dict[str, Any]) -> dict[str, Any]:
         "throttle_reasons": decode_clock_event_reasons(mask),
         "throttle_reasons_mask": mask,
         "ecc_mode_enabled": _as_bool(ecc_mode[0]) if ecc_mode else None,
+        # the mode after the next reboot: differing from the current one means a change is waiting
+        "ecc_mode_pending": _as_bool(ecc_mode[1]) if ecc_mode and len(ecc_mode) > 1 else None,
         "ecc_errors": {
             "volatile_corrected": raw.get("ecc_volatile_corrected"),
             "volatile_uncorrected": raw.get("ecc_volatile_uncorrected"),
@@ -230,11 +232,44 @@ def device_from_raw(raw: dict[str, Any]) -> dict[str, Any]:
         "pcie_gen_gpu_max": raw.get("pcie_gen_gpu_max"),
         "pcie_width": raw.get("pcie_width"),
         "pcie_width_max": raw.get("pcie_width_max"),
+        "pcie_replay_count": raw.get("pcie_replay_count"),
         "nvlinks": nvlinks,
+        "nvlink_errors": nvlink_errors_from_raw(raw.get("nvlink_errors")),
+        "applications_clocks": None if not any(raw.get(k) is not None for k in _APP_CLOCK_KEYS) else {
+            "sm_mhz": raw.get("app_clock_sm"), "sm_default_mhz": raw.get("app_clock_sm_default"),
+            "mem_mhz": raw.get("app_clock_mem"), "mem_default_mhz": raw.get("app_clock_mem_default")},
+        "fabric": fabric_from_raw(raw.get("fabric_state"), raw.get("fabric_status")),
         "numa_node": numa_node,
         "cpu_affinity": cpu_affinity,
         "unreadable": dict(raw.get("unreadable") or {}),
     }
+
+
+# (name in the record, pynvml constant): NVLink data-link-layer error counters, per link, since the driver loaded
+NVLINK_ERROR_COUNTERS = (("replay", "NVML_NVLINK_ERROR_DL_REPLAY"), ("recovery", "NVML_NVLINK_ERROR_DL_RECOVERY"),
+                         ("crc_flit", "NVML_NVLINK_ERROR_DL_CRC_FLIT"), ("crc_data", "NVML_NVLINK_ERROR_DL_CRC_DATA"))
+_APP_CLOCK_KEYS = ("app_clock_sm", "app_clock_sm_default", "app_clock_mem", "app_clock_mem_default")
+FABRIC_STATES = {0: "not_supported", 1: "not_started", 2: "in_progress", 3: "completed"}
+
+
+def nvlink_errors_from_raw(raw: dict[str, dict[str, int | None]] | None) -> dict[str, Any] | None:
+    """{link: {replay, recovery, crc_flit, crc_data}} -> the same per link plus the totals over links."""
+    if not raw:
+        return None
+    links = {str(link): dict(counters) for link, counters in sorted(raw.items(), key=lambda kv: int(kv[0]))}
+    totals = {}
+    for name, _constant in NVLINK_ERROR_COUNTERS:
+        values = [c.get(name) for c in links.values() if c.get(name) is not None]
+        totals[name] = sum(values) if values else None
+    return {"per_link": links, "total": totals}
+
+
+def fabric_from_raw(state: int | None, status: int | None) -> dict[str, Any] | None:
+    """NVML's GPU fabric info (NVSwitch systems): registration state with Fabric Manager and its result code."""
+    if state is None:
+        return None
+    return {"state": FABRIC_STATES.get(state, f"unknown_{state}"), "status": status,
+            "status_ok": None if status is None else status == 0}
 
 
 def _as_bool(value: Any) -> bool | None:
@@ -323,6 +358,15 @@ def read_device_raw(pynvml: Any, index: int, cpu_count: int | None = None) -> di
     raw["pcie_width"] = get("pcie_width", "nvmlDeviceGetCurrPcieLinkWidth")
     raw["pcie_width_max"] = get("pcie_width_max", "nvmlDeviceGetMaxPcieLinkWidth")
 
+    raw["pcie_replay_count"] = get("pcie_replay_count", "nvmlDeviceGetPcieReplayCounter")
+    raw["app_clock_sm"] = get("app_clock_sm", "nvmlDeviceGetApplicationsClock", pynvml.NVML_CLOCK_SM)
+    raw["app_clock_sm_default"] = get("app_clock_sm_default", "nvmlDeviceGetDefaultApplicationsClock",
+                                      pynvml.NVML_CLOCK_SM)
+    raw["app_clock_mem"] = get("app_clock_mem", "nvmlDeviceGetApplicationsClock", pynvml.NVML_CLOCK_MEM)
+    raw["app_clock_mem_default"] = get("app_clock_mem_default", "nvmlDeviceGetDefaultApplicationsClock",
+                                       pynvml.NVML_CLOCK_MEM)
+    raw["fabric_state"], raw["fabric_status"] = _fabric_info(pynvml, handle, unreadable)
+
     states: dict[str, int] = {}
     versions: dict[str, int] = {}
     for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
@@ -336,6 +380,7 @@ def read_device_raw(pynvml: Any, index: int, cpu_count: int | None = None) -> di
             pass
     raw["nvlink_states"] = states
     raw["nvlink_versions"] = versions
+    raw["nvlink_errors"] = _nvlink_error_counters(pynvml, handle, [int(link) for link in states])
 
     raw["numa_node"] = get("numa_node", "nvmlDeviceGetNumaNodeId")
     words = math.ceil((cpu_count or os.cpu_count() or 1) / 64)
@@ -345,6 +390,45 @@ def read_device_raw(pynvml: Any, index: int, cpu_count: int | None = None) -> di
     raw["sysfs_numa_node"] = sysfs.get("numa_node")
     raw["sysfs_local_cpulist"] = sysfs.get("local_cpulist")
     return raw
+
+
+def _nvlink_error_counters(pynvml: Any, handle: Any, links: list[int]) -> dict[str, dict[str, int | None]]:
+    """Replay, recovery and CRC counters of each link that reported a state; None where the GPU has no such counter."""
+    out: dict[str, dict[str, int | None]] = {}
+    reader = getattr(pynvml, "nvmlDeviceGetNvLinkErrorCounter", None)
+    if reader is None:
+        return out
+    for link in links:
+        counters: dict[str, int | None] = {}
+        for name, constant in NVLINK_ERROR_COUNTERS:
+            try:
+                counters[name] = int(reader(handle, link, getattr(pynvml, constant)))
+            except (pynvml.NVMLError, AttributeError, TypeError, ValueError):
+                counters[name] = None  # Blackwell moved these to other counters; Not Supported is common
+        if any(v is not None for v in counters.values()):
+            out[str(link)] = counters
+    return out
+
+
+def _fabric_info(pynvml: Any, handle: Any, unreadable: dict[str, str]) -> tuple[int | None, int | None]:
+    """(state, status) of nvmlDeviceGetGpuFabricInfo, or (None, None) where the GPU has no fabric (PCIe cards)."""
+    import ctypes
+
+    struct = getattr(pynvml, "c_nvmlGpuFabricInfo_t", None)
+    function = getattr(pynvml, "nvmlDeviceGetGpuFabricInfo", None)
+    if struct is None or function is None:
+        return None, None
+    info = struct()
+    try:
+        function(handle, ctypes.byref(info))
+    except pynvml.NVMLError as exc:
+        if exc.value not in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT):
+            unreadable["fabric"] = str(exc)
+        return None, None
+    except (TypeError, ValueError, OSError) as exc:
+        unreadable["fabric"] = f"{type(exc).__name__}: {exc}"
+        return None, None
+    return int(info.state), int(info.status)
 
 
 def init_failure_reason(exc: BaseException) -> str:

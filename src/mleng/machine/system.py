@@ -264,6 +264,7 @@ def infiniband_info(ib_root: str | Path = "/sys/class/infiniband") -> dict[str, 
                 "rate": rate,
                 "rate_gbps": parse_ib_rate(rate),
                 "link_layer": read_text(port / "link_layer"),
+                "counters": ib_port_counters(port),
             })
         net_dir = dev / "device" / "net"
         netdevs = sorted(p.name for p in net_dir.iterdir()) if net_dir.is_dir() else []
@@ -277,7 +278,77 @@ def infiniband_info(ib_root: str | Path = "/sys/class/infiniband") -> dict[str, 
         })
     if not devices:
         return unavailable(f"{root} is empty: no InfiniBand/RoCE devices")
-    return {"available": True, "devices": devices}
+    return {"available": True, "devices": devices, "gpudirect": gpudirect_info()}
+
+
+# Port error counters (IBA PortCounters, as the kernel exposes them under ports/N/counters/): each counts
+# since the HCA came up or the counters were last reset.
+IB_ERROR_COUNTERS = ("symbol_error", "link_downed", "link_error_recovery", "port_rcv_errors",
+                     "port_rcv_remote_physical_errors", "local_link_integrity_errors",
+                     "excessive_buffer_overrun_errors", "port_xmit_discards")
+
+
+def ib_port_counters(port_dir: str | Path) -> dict[str, int | None] | None:
+    """The error counters of one IB/RoCE port; None where the port has no counters folder."""
+    counters = Path(port_dir) / "counters"
+    if not counters.is_dir():
+        return None
+    return {name: read_int(counters / name) for name in IB_ERROR_COUNTERS}
+
+
+def loaded_modules(proc_modules: str | Path = "/proc/modules", sys_module: str | Path = "/sys/module") -> set[str] | None:
+    """Names of the loaded kernel modules (/proc/modules, else /sys/module/*/initstate); None if neither is readable."""
+    text = read_text(proc_modules)
+    if text is not None:
+        return {line.split()[0] for line in text.splitlines() if line.strip()}
+    root = Path(sys_module)
+    if not root.is_dir():
+        return None
+    return {p.name for p in root.iterdir() if (p / "initstate").exists()}
+
+
+def gpudirect_info(proc_modules: str | Path = "/proc/modules", sys_module: str | Path = "/sys/module") -> dict[str, Any]:
+    """Whether GPUDirect RDMA's kernel module (nvidia_peermem, or the older nv_peer_mem) is loaded."""
+    modules = loaded_modules(proc_modules, sys_module)
+    if modules is None:
+        return {"nvidia_peermem": None, "reason": f"{proc_modules} and {sys_module} unreadable"}
+    return {"nvidia_peermem": "nvidia_peermem" in modules or "nv_peer_mem" in modules,
+            "module": "nvidia_peermem" if "nvidia_peermem" in modules else
+            ("nv_peer_mem" if "nv_peer_mem" in modules else None)}
+
+
+NVIDIA_PCI_VENDOR = "0x10de"
+PCI_CLASS_BRIDGE_OTHER = "0x0680"  # NVSwitches enumerate as "bridge, other" (class 0x068000)
+
+
+def nvswitch_info(pci_root: str | Path = "/sys/bus/pci/devices") -> dict[str, Any]:
+    """The NVSwitches this host sees on PCI (HGX baseboards; none on PCIe cards or NVL72 compute trays)."""
+    root = Path(pci_root)
+    if not root.is_dir():
+        return {"count": None, "pci": [], "reason": f"{root} absent"}
+    found = []
+    for dev in sorted(root.iterdir()):
+        if read_text(dev / "vendor") == NVIDIA_PCI_VENDOR and (read_text(dev / "class") or "").startswith(
+                PCI_CLASS_BRIDGE_OTHER):
+            found.append(dev.name)
+    return {"count": len(found), "pci": found}
+
+
+def fabric_manager_info(proc_root: str | Path = "/proc") -> dict[str, Any]:
+    """Whether the Fabric Manager daemon (nv-fabricmanager) runs where this process can see it.
+
+    In a container the host's daemon is invisible: then `running` is False and `visible_only` says so;
+    NVML's per-GPU fabric state is what tells whether the fabric came up.
+    """
+    root = Path(proc_root)
+    try:
+        entries = [p for p in root.iterdir() if p.name.isdigit()]
+    except OSError as exc:
+        return {"running": None, "reason": f"{root}: {exc.strerror or exc}"}
+    for entry in entries:
+        if read_text(entry / "comm") == "nv-fabricmanager":
+            return {"running": True, "pid": int(entry.name)}
+    return {"running": False, "pid": None, "visible_only": True}
 
 
 # /sys/class/net/<if>/type values (include/uapi/linux/if_arp.h) that NCCL users meet.
