@@ -50,7 +50,7 @@ def main() -> int:
                 rows_by_model[key].append((row["tflops_median"], (row["m"], row["n"], row["k"]), row["phase"]))
 
     out = ["# Shapes that were fastest on a device model, screened first by `mleng mamf`'s adaptive search",
-           "# (see seed_shapes in mleng/measure/matmul.py). A seed is only where the search looks first: it is",
+           "# (see seed_shapes in mleng/measure/matmul/run.py). A seed is only where the search looks first: it is",
            "# measured like any other shape. Written by:",
            "#   python bench/mamf_seeds.py " + " ".join(args.records) + " --write",
            f"# on {datetime.date.today().isoformat()}.", ""]

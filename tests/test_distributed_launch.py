@@ -5,7 +5,7 @@ import pytest
 from mleng.distributed.group import first_line
 from mleng.distributed.launch import SLURM_PORT_BASE, detect, expand_nodelist
 from mleng.machine.system import format_cpulist, parse_cpulist
-from mleng.distributed.runner import strip_nproc
+from mleng.distributed.launch import strip_nproc
 from mleng.errors import UsageError
 
 

@@ -3,6 +3,9 @@
 EXIT_OK = 0
 EXIT_PROBLEM = 1
 EXIT_USAGE = 2
+# 128 + the signal number, as shells report a process ended by SIGINT (Ctrl-C) or SIGTERM.
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 
 class MlengError(Exception):

@@ -8,7 +8,7 @@ import sys
 
 from mleng.cli.main import json_parent
 from mleng.cli.render import Progress, print_json, table
-from mleng.errors import MlengError, UsageError
+from mleng.errors import EXIT_INTERRUPTED, MlengError, UsageError
 
 DEFAULT_OUTPUT = "mleng-slurm"
 
@@ -198,7 +198,7 @@ def _run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             slurm_job.cancel(job_id)
             print(f"mleng slurm: cancelled job {job_id}", file=sys.stderr)
-            return 130
+            return EXIT_INTERRUPTED
     progress.close()
     record = _merged_or_failed(results_dir, job_id, end, args.straggler_ratio)
     record.params.setdefault("slurm", {}).update({"state": end.state, "script": path,
@@ -206,7 +206,7 @@ def _run(args: argparse.Namespace) -> int:
     stored, problem = _store(record)
     code = _exit_code(end, record)
     if interrupted:
-        code = 130
+        code = EXIT_INTERRUPTED
     if args.json:
         print_json({"job": {"job_id": job_id, "state": end.state, "exit_code": code, "log": log_path,
                             "results": results_dir, "submit_to_result_s": record.params["slurm"]["submit_to_result_s"]},
@@ -218,7 +218,7 @@ def _run(args: argparse.Namespace) -> int:
               f"results in {results_dir}")
         print(render_merged(record, stored))
         if code != job_code:
-            print(f"exit code {code}: " + ("interrupted" if code == 130 else "a straggler or a node without "
+            print(f"exit code {code}: " + ("interrupted" if code == EXIT_INTERRUPTED else "a straggler or a node without "
                                            "a complete result"))
     if problem:
         print(f"mleng slurm: warning: the merged record was not stored: {problem}", file=sys.stderr)

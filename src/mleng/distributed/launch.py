@@ -259,3 +259,18 @@ def visible_gpu_count() -> int:
 def default_nproc() -> int:
     """Local ranks to spawn when nobody said: one per visible GPU, else 2 on a CPU machine."""
     return visible_gpu_count() or 2
+
+def strip_nproc(argv: list[str]) -> list[str]:
+    """The children must not spawn again; --nproc is only the plain launcher's business."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == "--nproc":
+            skip = True
+            continue
+        if arg.startswith("--nproc="):
+            continue
+        out.append(arg)
+    return out

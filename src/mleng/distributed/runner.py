@@ -7,26 +7,12 @@ import contextlib
 import sys
 from typing import Callable
 
-from mleng.distributed.launch import Launch, default_nproc, detect
+from mleng.distributed.launch import Launch, default_nproc, detect, strip_nproc
 from mleng.distributed.spawn import spawn_local
 from mleng import signals
-from mleng.errors import MlengError, UsageError
+from mleng.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, MlengError, UsageError
 
 
-def strip_nproc(argv: list[str]) -> list[str]:
-    """The children must not spawn again; --nproc is only the plain launcher's business."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        if arg == "--nproc":
-            skip = True
-            continue
-        if arg.startswith("--nproc="):
-            continue
-        out.append(arg)
-    return out
 
 
 def run_as_ranks(command: str, argv: list[str], nproc: int | None, timeout_s: float,
@@ -47,7 +33,7 @@ def run_as_ranks(command: str, argv: list[str], nproc: int | None, timeout_s: fl
         failures = result.failures()
         # Rank 0 explains its own exit; the launcher speaks only of ranks that died or failed besides it.
         # After Ctrl-C or SIGTERM, a rank that ended with 128+signal ended cleanly: it kept its rows.
-        clean = {0} | ({signals.exit_code(), 130, 143} if result.interrupted else set())
+        clean = {0} | ({signals.exit_code(), EXIT_INTERRUPTED, EXIT_TERMINATED} if result.interrupted else set())
         others = [e for e in result.exits if e.returncode not in clean and (e.rank != 0 or e.returncode < 0)]
         if others:
             print(f"mleng {command}: {len(failures)} of {nproc} ranks did not end cleanly: "

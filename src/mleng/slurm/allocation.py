@@ -9,6 +9,8 @@ import subprocess
 import sys
 from typing import Mapping
 
+from mleng.errors import EXIT_INTERRUPTED
+
 # Set to 0 to keep a command on the node it was started on (as before: local ranks only).
 RELAUNCH_ENV = "MLENG_SLURM_RELAUNCH"
 
@@ -47,8 +49,7 @@ def srun_argv(command_argv: list[str], nodes: int, tasks_per_node: int) -> list[
 def relaunch(command: str, command_argv: list[str], nproc: int | None) -> int | None:
     """When started inside a multi-node allocation, run the command as an srun step over all its nodes
     and return its exit code; None when this process should just go on as before."""
-    from mleng.distributed.launch import slurm_hostnames, visible_gpu_count
-    from mleng.distributed.runner import strip_nproc
+    from mleng.distributed.launch import slurm_hostnames, strip_nproc, visible_gpu_count
 
     nodes = allocation_nodes()
     if nodes < 2 or not shutil.which("srun"):
@@ -73,4 +74,4 @@ def relaunch(command: str, command_argv: list[str], nproc: int | None) -> int | 
         except (subprocess.TimeoutExpired, KeyboardInterrupt):
             proc.kill()
             proc.wait()
-        return 130
+        return EXIT_INTERRUPTED
