@@ -35,24 +35,34 @@ def warn_skipped(skipped: list[dict], command: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mleng.handbook.search import ask
+    answer = result(args)
+    # Like grep: 0 when the handbook has a confident answer, 1 when it does not.
+    code = 0 if answer["confident"] else 1
+    if args.json:
+        from mleng.cli.render import print_json
+
+        print_json(answer)
+        return code
+    print(render_answer(answer))
+    return code
+
+
+def result(args: argparse.Namespace, index=None) -> dict:
+    """What `mleng ask --json` prints: {"query", "confident", "results"}; `index`: an open handbook index
+    to search instead of opening one (a long-lived caller such as `mleng mcp` keeps it open)."""
+    from mleng.handbook.search import ask, search
 
     if args.limit < 1:
         raise UsageError(f"--limit must be at least 1, got {args.limit}")
     query = read_query(args.text)
     if not query.strip():
         raise UsageError("the text to look up is empty", hint='pass the error line: mleng ask "..."')
-    answer, skipped = ask(query, limit=args.limit)
+    if index is None:
+        answer, skipped = ask(query, limit=args.limit)
+    else:
+        answer, skipped = search(index, query, limit=args.limit), index.skipped
     warn_skipped(skipped, "ask")
-    # Like grep: 0 when the handbook has a confident answer, 1 when it does not.
-    code = 0 if answer["confident"] else 1
-    if args.json:
-        from mleng.cli.render import print_json
-
-        print_json({"query": query, "confident": answer["confident"], "results": answer["results"]})
-        return code
-    print(render_answer(answer))
-    return code
+    return {"query": query, "confident": answer["confident"], "results": answer["results"]}
 
 
 def render_answer(answer: dict) -> str:

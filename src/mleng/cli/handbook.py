@@ -55,36 +55,53 @@ def _plural(n: int, word: str, plural: str | None = None) -> str:
     return f"{n} {word if n == 1 else plural or word + 's'}"
 
 
-def _entries(command: str):
+def _entries(command: str, index=None):
     from mleng.cli.ask import warn_skipped
     from mleng.handbook.index import open_index
 
-    index = open_index()
+    opened = open_index() if index is None else index
     try:
-        warn_skipped(index.skipped, command)
-        return [e.data for e in index.entries]
+        warn_skipped(opened.skipped, command)
+        return [e.data for e in opened.entries]
     finally:
-        index.close()
+        if index is None:
+            opened.close()
 
 
 def _list(args) -> int:
+    listing = list_result(args)
+    if args.json:
+        print_json(listing)
+    else:
+        print(table(listing["entries"], ["category", "id", "title"]))
+        print(f"{len(listing['entries'])} entries")
+    return 0
+
+
+def list_result(args, index=None) -> dict:
+    """What `mleng handbook list --json` prints: {"entries": [{"id", "title", "category"}]}, by category."""
     from mleng.handbook.model import CATEGORIES
 
     if args.category and args.category not in CATEGORIES:
         raise UsageError(f"unknown category {args.category!r}", hint="use one of: " + ", ".join(CATEGORIES))
-    entries = [e for e in _entries("handbook list") if not args.category or e["category"] == args.category]
+    entries = [e for e in _entries("handbook list", index) if not args.category or e["category"] == args.category]
     order = {c: i for i, c in enumerate(CATEGORIES)}
     entries.sort(key=lambda e: (order.get(e["category"], 99), e["id"]))
-    if args.json:
-        print_json({"entries": [{k: e[k] for k in ("id", "title", "category")} for e in entries]})
-    else:
-        print(table(entries, ["category", "id", "title"]))
-        print(f"{len(entries)} entries")
-    return 0
+    return {"entries": [{k: e[k] for k in ("id", "title", "category")} for e in entries]}
 
 
 def _show(args) -> int:
-    entries = {e["id"]: e for e in _entries("handbook show")}
+    entry = show_result(args)
+    if args.json:
+        print_json(entry)
+        return 0
+    print(render_entry(entry))
+    return 0
+
+
+def show_result(args, index=None) -> dict:
+    """What `mleng handbook show ID --json` prints: the whole entry."""
+    entries = {e["id"]: e for e in _entries("handbook show", index)}
     entry = entries.get(args.id)
     if entry is None:
         import difflib
@@ -92,11 +109,7 @@ def _show(args) -> int:
         close = difflib.get_close_matches(args.id, list(entries), n=3, cutoff=0.4)
         raise UsageError(f"no handbook entry {args.id!r}",
                          hint=("did you mean: " + ", ".join(close)) if close else "see `mleng handbook list`")
-    if args.json:
-        print_json({k: v for k, v in entry.items() if k != "path"})
-        return 0
-    print(render_entry(entry))
-    return 0
+    return {k: v for k, v in entry.items() if k != "path"}
 
 
 def render_entry(entry: dict) -> str:

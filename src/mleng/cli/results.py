@@ -29,9 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     compare.add_argument("b")
 
 
-def run(args: argparse.Namespace) -> int:
+JSON_ACTIONS = ("list", "show", "compare")
+
+
+def _check(args: argparse.Namespace) -> None:
     from mleng.errors import UsageError
-    from mleng.results.store import Store, kinds_stored
 
     if args.action == "list" and args.limit < 1:
         raise UsageError(f"--limit {args.limit}: give at least 1", hint="the default is 50")
@@ -39,15 +41,40 @@ def run(args: argparse.Namespace) -> int:
         from mleng.cli.common import check_output_path
 
         check_output_path(args.output, "--output")
+
+
+def result(args: argparse.Namespace) -> dict:
+    """What `mleng results list|show|compare --json` prints."""
+    from mleng.results.store import Store
+
+    _check(args)
+    with Store(create=False) as store:
+        if args.action == "list":
+            return {"store": str(store.path), "results": store.list(kind=args.kind, limit=args.limit)}
+        if args.action == "show":
+            return store.get(args.id).to_dict()
+        if args.action == "compare":
+            from mleng.results.compare import compare_measurements
+
+            return compare_measurements(store.get(args.a), store.get(args.b))
+    raise ValueError(f"no JSON result for results {args.action}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mleng.errors import UsageError
+    from mleng.results.store import Store, kinds_stored
+
+    if args.json and args.action in JSON_ACTIONS:
+        print_json(result(args))
+        return 0
+    _check(args)
     # No action creates a store: reading (or deleting from) one that is not there yet leaves nothing behind.
     with Store(create=False) as store:
         if args.action == "delete" and not store.exists:
             raise UsageError(f"no results stored yet in {store.path}", hint="nothing to delete")
         if args.action == "list":
             rows = store.list(kind=args.kind, limit=args.limit)
-            if args.json:
-                print_json({"store": str(store.path), "results": rows})
-            elif not rows and args.kind:
+            if not rows and args.kind:
                 kinds = kinds_stored(store)
                 stored = (f"{sum(kinds.values())} stored, of kinds {', '.join(sorted(kinds))}" if kinds
                           else "none stored yet")
@@ -59,11 +86,7 @@ def run(args: argparse.Namespace) -> int:
                             ["id", "kind", "status", "started_at", "host", "headline"]))
             return 0
         if args.action == "show":
-            m = store.get(args.id)
-            if args.json:
-                print_json(m.to_dict())
-            else:
-                print(render_measurement(m))
+            print(render_measurement(store.get(args.id)))
             return 0
         if args.action == "export":
             from mleng.results.export import export_text
@@ -89,11 +112,7 @@ def run(args: argparse.Namespace) -> int:
         if args.action == "compare":
             from mleng.results.compare import compare_measurements, render_comparison
 
-            comparison = compare_measurements(store.get(args.a), store.get(args.b))
-            if args.json:
-                print_json(comparison)
-            else:
-                print(render_comparison(comparison))
+            print(render_comparison(compare_measurements(store.get(args.a), store.get(args.b))))
             return 0
     return 2
 

@@ -73,9 +73,9 @@ def _clean(value):
     return value
 
 
-def _list(args: argparse.Namespace) -> int:
+def _selected(args: argparse.Namespace) -> list:
+    """The accelerators (or links) `specs list` shows, after --vendor / --family."""
     from mleng.specs import load_accelerators, load_links
-    from mleng.specs.catalog import units
 
     if args.kind == "links":
         if args.vendor:
@@ -86,9 +86,31 @@ def _list(args: argparse.Namespace) -> int:
             links = [link for link in links if link.family == args.family.lower()]
             if not links:
                 raise UsageError(f"no link family '{args.family}'; known: {', '.join(families)}")
-        if args.json:
-            print_json({"kind": "links", "units": units("links"), "links": [l.to_dict() for l in links]})
-            return 0
+        return links
+    if args.family:
+        raise UsageError("--family filters links; use it with --kind links")
+    accelerators = list(load_accelerators().values())
+    if args.vendor:
+        vendors = sorted({a.vendor for a in accelerators})
+        accelerators = [a for a in accelerators if a.vendor.lower() == args.vendor.lower()]
+        if not accelerators:
+            raise UsageError(f"no vendor '{args.vendor}'; known: {', '.join(vendors)}")
+    return accelerators
+
+
+def list_result(args: argparse.Namespace) -> dict:
+    """What `mleng specs list --json` prints: {"kind", "units", "accelerators" or "links"}."""
+    from mleng.specs.catalog import units
+
+    return {"kind": args.kind, "units": units(args.kind), args.kind: [e.to_dict() for e in _selected(args)]}
+
+
+def _list(args: argparse.Namespace) -> int:
+    if args.json:
+        print_json(list_result(args))
+        return 0
+    if args.kind == "links":
+        links = _selected(args)
         rows = [{"key": l.key + ("*" if l.availability == "announced" else ""), "name": l.name,
                  "family": l.family, "uni": _clean(l.unidirectional_gbps), "duplex": _clean(l.duplex_gbps),
                  "lane": _clean(l.per_lane_gbps), "gbit": _clean(l.line_rate_gbit), "scope": l.scope}
@@ -98,18 +120,7 @@ def _list(args: argparse.Namespace) -> int:
         print(f"\n{len(rows)} links; {LINK_LEGEND}")
         return 0
 
-    if args.family:
-        raise UsageError("--family filters links; use it with --kind links")
-    accelerators = list(load_accelerators().values())
-    if args.vendor:
-        vendors = sorted({a.vendor for a in accelerators})
-        accelerators = [a for a in accelerators if a.vendor.lower() == args.vendor.lower()]
-        if not accelerators:
-            raise UsageError(f"no vendor '{args.vendor}'; known: {', '.join(vendors)}")
-    if args.json:
-        print_json({"kind": "accelerators", "units": units("accelerators"),
-                    "accelerators": [a.to_dict() for a in accelerators]})
-        return 0
+    accelerators = _selected(args)
     rows = [{"key": a.key + ("*" if a.availability == "announced" else ""), "name": a.name,
              "fp16": _clean(a.tflops.get("fp16")), "bf16": _clean(a.tflops.get("bf16")), "fp8": _clean(a.tflops.get("fp8")),
              "fp4": _clean(a.tflops.get("fp4")), "memory": _clean(a.memory_gib),
@@ -125,13 +136,20 @@ def _list(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     from mleng.specs import Accelerator, lookup
 
-    entry = lookup(" ".join(args.name))
-    kind = "accelerator" if isinstance(entry, Accelerator) else "link"
     if args.json:
-        print_json({"kind": kind, **entry.to_dict()})
+        print_json(show_result(args))
         return 0
-    print(render_accelerator(entry) if kind == "accelerator" else render_link(entry))
+    entry = lookup(" ".join(args.name))
+    print(render_accelerator(entry) if isinstance(entry, Accelerator) else render_link(entry))
     return 0
+
+
+def show_result(args: argparse.Namespace) -> dict:
+    """What `mleng specs show NAME --json` prints: {"kind": "accelerator" or "link", ...the entry}."""
+    from mleng.specs import Accelerator, lookup
+
+    entry = lookup(" ".join(args.name))
+    return {"kind": "accelerator" if isinstance(entry, Accelerator) else "link", **entry.to_dict()}
 
 
 def _fmt(value) -> str:
@@ -266,10 +284,15 @@ def _rows(accelerators, keys, spec_rows, kind: str, power_terms: dict) -> dict:
             "first": keys[0], "rows": rows, "power_terms": power_terms}
 
 
-def _compare(args: argparse.Namespace) -> int:
+def compare_result(args: argparse.Namespace) -> dict:
+    """What `mleng specs compare A B ... --json` prints: comparison() of the names."""
     if len(args.names) < 2:
         raise UsageError("compare needs at least two accelerators (or links), e.g. `mleng specs compare h100 h200`")
-    result = comparison(args.names)
+    return comparison(args.names)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    result = compare_result(args)
     if args.json:
         print_json(result)
         return 0

@@ -14,6 +14,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    report = result(args)
+    if args.json:
+        from mleng.cli.render import print_json
+
+        print_json(report)
+    else:
+        print(render(report))
+    return 1 if report["findings"] else 0
+
+
+def result(args: argparse.Namespace, index=None) -> dict:
+    """What `mleng triage --json` prints: {"source", "lines", "bytes", "elapsed_s", "findings"};
+    `index`: an open handbook index to use instead of opening one (kept open by `mleng mcp`)."""
     from mleng.handbook.triage import NotText
     from mleng.cli.ask import warn_skipped
     from mleng.handbook.index import open_index
@@ -32,21 +45,22 @@ def run(args: argparse.Namespace) -> int:
                                  hint="pass the job's text log (plain, .gz, .xz, .bz2 or .zst)") from None
     else:
         _check_log(args.logfile)
-    index = open_index()
+    opened = open_index() if index is None else index
     try:
-        entries = [e.data for e in index.entries]
-        matcher = Matcher(entries, [e.anchors for e in index.entries])
-        skipped = index.skipped
+        entries = [e.data for e in opened.entries]
+        matcher = Matcher(entries, [e.anchors for e in opened.entries])
+        skipped = opened.skipped
     finally:
-        index.close()
+        if index is None:
+            opened.close()
     warn_skipped(skipped, "triage")
     source = "<stdin>" if args.logfile == "-" else args.logfile
     try:
         if args.logfile == "-":
             stream, kind = open_log(sys.stdin.buffer)
-            result = triage_compressed(stream, matcher, kind)
+            scanned = triage_compressed(stream, matcher, kind)
         else:
-            result = triage_file(args.logfile, matcher)
+            scanned = triage_file(args.logfile, matcher)
     except NotText as exc:
         raise UsageError(f"{source} is not a text log: {exc}",
                          hint="pass the job's text log (plain, .gz, .xz, .bz2 or .zst)") from None
@@ -56,15 +70,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot read {args.logfile}: {exc.strerror or exc}",
                          hint="pass a readable log file, or '-' to read stdin") from None
     entries_by_id = {e["id"]: e for e in entries}
-    findings = [finding_to_dict(f, entries_by_id) for f in result.findings]
-    if args.json:
-        from mleng.cli.render import print_json
-
-        print_json({"source": source, "lines": result.lines, "bytes": result.bytes,
-                    "elapsed_s": round(result.elapsed_s, 3), "findings": findings})
-    else:
-        print(render(source, result, findings))
-    return 1 if findings else 0
+    findings = [finding_to_dict(f, entries_by_id) for f in scanned.findings]
+    return {"source": source, "lines": scanned.lines, "bytes": scanned.bytes,
+            "elapsed_s": round(scanned.elapsed_s, 3), "findings": findings}
 
 
 def _check_log(path: str) -> None:
@@ -94,8 +102,9 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def render(source: str, result, findings: list[dict]) -> str:
-    head = (f"{source}: {result.lines:,} lines ({_size(result.bytes)}) scanned in {result.elapsed_s:.2f} s: "
+def render(report: dict) -> str:
+    source, findings = report["source"], report["findings"]
+    head = (f"{source}: {report['lines']:,} lines ({_size(report['bytes'])}) scanned in {report['elapsed_s']:.2f} s: "
             + (f"{len(findings)} known problem{'s' if len(findings) != 1 else ''} found"
                if findings else "no known problem found"))
     out = [head]

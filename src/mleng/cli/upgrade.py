@@ -62,6 +62,16 @@ def _mamf_value(run_id: str | None) -> float | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    decision = result(args)
+    if args.json:
+        print_json(decision)
+        return 0
+    print(render(decision))
+    return 0
+
+
+def result(args: argparse.Namespace) -> dict:
+    """What `mleng upgrade --json` prints: both gates, the cost, the verdict and its assumptions."""
     from mleng.decide.upgrade import Workload, decide
     from mleng.specs import lookup_accelerator
 
@@ -71,13 +81,8 @@ def run(args: argparse.Namespace) -> int:
                         hidden=args.hidden, layers=args.layers, dtype=args.dtype, need_dtype=args.need_dtype,
                         mfu=args.mfu, memory_fixed_gib=args.memory_fixed_gib,
                         memory_per_token_gib=args.memory_per_token_gib, gpus=args.gpus)
-    result = decide(lookup_accelerator(args.from_gpu), lookup_accelerator(args.to_gpu), args.price_from,
-                    args.price_to, workload, _mamf_value(args.from_run), _mamf_value(args.to_run))
-    if args.json:
-        print_json(result)
-        return 0
-    print(render(result))
-    return 0
+    return decide(lookup_accelerator(args.from_gpu), lookup_accelerator(args.to_gpu), args.price_from,
+                  args.price_to, workload, _mamf_value(args.from_run), _mamf_value(args.to_run))
 
 
 def render(result: dict) -> str:
