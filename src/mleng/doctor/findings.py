@@ -21,6 +21,7 @@ class Finding:
     cause: str | None = None
     handbook: list[str] = dataclasses.field(default_factory=list)
     subject: str | None = None  # "gpu 3", "NCCL_SOCKET_IFNAME", a path
+    gpu_uuid: str | None = None  # the GPU's UUID where the finding is about one GPU: it follows the card
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:

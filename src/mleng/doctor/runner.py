@@ -145,7 +145,7 @@ def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint
                measure: bool = True, fingerprint: dict[str, Any] | None = None,
                on_step: Callable[[str], None] | None = None, local: bool | None = None,
                cpus: str | None = None, since: str | None = None,
-               kernel_log_path: str | None = None) -> Measurement:
+               kernel_log_path: str | None = None, history: bool = True) -> Measurement:
     """Everything `mleng doctor` does, as one Measurement of kind "doctor" whose rows are findings."""
     # local: the fingerprint is this machine's, so checks that read the machine itself (its disk) apply
     local = fingerprint is None if local is None else local
@@ -203,6 +203,12 @@ def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint
                                        f"not from {host}; run the doctor there"))
     step("kernel log")
     findings += kernel_log_findings(fingerprint, local, since, kernel_log_path)
+    from mleng.doctor.history import attach_gpu_uuids, history_findings
+
+    attach_gpu_uuids(findings, fingerprint)
+    if history:
+        step("GPU history")
+        findings += history_findings(findings, fingerprint, current_id=record.id)
     findings.sort(key=lambda f: SEVERITY_RANK[f.severity])
     record.rows = [f.to_row() for f in findings]
     counts = {s: sum(f.severity == s for f in findings) for s in ("fail", "warn", "ok", "inconclusive", "skipped")}

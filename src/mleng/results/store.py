@@ -30,6 +30,23 @@ CREATE TABLE IF NOT EXISTS measurements (
 );
 CREATE INDEX IF NOT EXISTS measurements_kind ON measurements(kind, started_at);
 """
+# Doctor findings per GPU, by the GPU's UUID (which follows the card from node to node), so a run can say
+# "failed sm_clock on 3 of its last 5 runs". Derived from the doctor records: rebuilt from them when missing
+# (a store written before this table), so it never holds anything the records do not.
+_GPU_FINDINGS_DDL = """
+CREATE TABLE IF NOT EXISTS gpu_findings (
+    measurement_id TEXT NOT NULL,
+    gpu_uuid TEXT NOT NULL,
+    started_at TEXT NOT NULL,
+    host TEXT NOT NULL,
+    gpu_index INTEGER,
+    check_name TEXT NOT NULL,
+    severity TEXT NOT NULL,
+    PRIMARY KEY (measurement_id, gpu_uuid, check_name)
+);
+CREATE INDEX IF NOT EXISTS gpu_findings_uuid ON gpu_findings(gpu_uuid, started_at);
+"""
+_SEVERITY_ORDER = {"fail": 0, "warn": 1, "inconclusive": 2, "ok": 3, "skipped": 4}
 
 
 def mleng_home() -> Path:
@@ -175,7 +192,81 @@ class Store:
             conn.execute(
                 "INSERT OR REPLACE INTO measurements (id, kind, status, started_at, host, schema, summary, record)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?)", values)
+            if m.kind == "doctor":
+                self._index_gpu_findings(conn, record)
         return m.id
+
+    def _has_gpu_findings(self, conn: sqlite3.Connection) -> bool:
+        return conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='gpu_findings'").fetchone() \
+            is not None
+
+    def _index_gpu_findings(self, conn: sqlite3.Connection, record: dict[str, Any]) -> None:
+        """Inside save()'s transaction: this doctor run's findings per GPU UUID (the table made, and filled from
+        the stored doctor records, the first time)."""
+        if not self._has_gpu_findings(conn):
+            for statement in _GPU_FINDINGS_DDL.split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+            for (text,) in conn.execute("SELECT record FROM measurements WHERE kind = 'doctor'").fetchall():
+                try:
+                    self._insert_gpu_findings(conn, json.loads(text))
+                except (ValueError, TypeError, AttributeError):
+                    continue  # a record this mleng cannot read has no findings to index
+            return
+        self._insert_gpu_findings(conn, record)
+
+    @staticmethod
+    def _insert_gpu_findings(conn: sqlite3.Connection, record: dict[str, Any]) -> None:
+        conn.execute("DELETE FROM gpu_findings WHERE measurement_id = ?", (record.get("id"),))
+        rows = gpu_findings_of(record)
+        conn.executemany(
+            "INSERT OR REPLACE INTO gpu_findings (measurement_id, gpu_uuid, started_at, host, gpu_index, check_name,"
+            " severity) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [(record.get("id"), uuid, record.get("started_at") or "", _record_host(record), index, check, severity)
+             for (uuid, check), (index, severity) in rows.items()])
+
+    def gpu_history(self, uuids: list[str], limit_runs: int = 5, exclude_id: str | None = None
+                    ) -> dict[str, list[dict[str, Any]]]:
+        """Per GPU UUID, its last doctor runs (newest first): {measurement_id, started_at, host, gpu_index,
+        checks: {check: severity}}. Empty for a store that does not exist or has no doctor run yet."""
+        if not self.path.exists() or not uuids:
+            return {}
+        conn = self.connect()
+        if not self._has_gpu_findings(conn):
+            # A store from before the index: read the doctor records directly (what save() would index).
+            runs: dict[str, dict[str, dict[str, Any]]] = {}
+            for (text,) in conn.execute("SELECT record FROM measurements WHERE kind = 'doctor' "
+                                        "ORDER BY started_at DESC, rowid DESC").fetchall():
+                try:
+                    record = json.loads(text)
+                except ValueError:
+                    continue
+                for (uuid, check), (index, severity) in gpu_findings_of(record).items():
+                    if uuid in uuids and record.get("id") != exclude_id:
+                        run = runs.setdefault(uuid, {}).setdefault(record["id"], {
+                            "measurement_id": record["id"], "started_at": record.get("started_at"),
+                            "host": _record_host(record), "gpu_index": index, "checks": {}})
+                        run["checks"][check] = severity
+            # dicts keep the newest-first order of the query; sorted() is stable, so same-second runs keep it
+            return {uuid: sorted(r.values(), key=lambda r: r["started_at"] or "", reverse=True)[:limit_runs]
+                    for uuid, r in runs.items()}
+        out: dict[str, list[dict[str, Any]]] = {}
+        for uuid in uuids:
+            # runs in the same second (scripts, tests) keep the order they were stored in
+            ids = conn.execute("SELECT g.measurement_id, g.started_at, g.host, MIN(g.gpu_index) FROM gpu_findings g "
+                               "JOIN measurements m ON m.id = g.measurement_id "
+                               "WHERE g.gpu_uuid = ? AND g.measurement_id != ? GROUP BY g.measurement_id "
+                               "ORDER BY g.started_at DESC, MAX(m.rowid) DESC LIMIT ?",
+                               (uuid, exclude_id or "", int(limit_runs))).fetchall()
+            runs_list = []
+            for measurement_id, started_at, host, index in ids:
+                checks = dict(conn.execute("SELECT check_name, severity FROM gpu_findings WHERE gpu_uuid = ? AND "
+                                           "measurement_id = ?", (uuid, measurement_id)).fetchall())
+                runs_list.append({"measurement_id": measurement_id, "started_at": started_at, "host": host,
+                                  "gpu_index": index, "checks": checks})
+            if runs_list:
+                out[uuid] = runs_list
+        return out
 
     @contextlib.contextmanager
     def _write(self, conn: sqlite3.Connection):
@@ -205,6 +296,8 @@ class Store:
         conn = self.connect()
         with self._write(conn):
             conn.execute("DELETE FROM measurements WHERE id = ?", (full_id,))
+            if self._has_gpu_findings(conn):
+                conn.execute("DELETE FROM gpu_findings WHERE measurement_id = ?", (full_id,))
 
     # -- reads --------------------------------------------------------------------------------
     def list(self, kind: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
@@ -257,6 +350,36 @@ class Store:
     def iter_records(self, kind: str | None = None) -> Iterator[Measurement]:
         for row in self.list(kind=kind):
             yield self.get(row["id"])
+
+
+def _record_host(record: dict[str, Any]) -> str:
+    return str(((record.get("machine") or {}).get("host") or {}).get("hostname") or record.get("host") or "")
+
+
+def gpu_findings_of(record: dict[str, Any]) -> dict[tuple[str, str], tuple[int | None, str]]:
+    """{(GPU UUID, check): (GPU index, worst severity)} of one doctor record's rows.
+
+    Rows carry gpu_uuid since mleng learned it; older rows name the GPU only as 'gpu N (...)', which the
+    record's own fingerprint maps to its UUID.
+    """
+    devices = ((record.get("machine") or {}).get("gpus") or {}).get("devices") or []
+    by_index = {d.get("index"): d.get("uuid") for d in devices if isinstance(d, dict) and d.get("uuid")}
+    out: dict[tuple[str, str], tuple[int | None, str]] = {}
+    for row in record.get("rows") or []:
+        if not isinstance(row, dict) or not row.get("check") or row.get("severity") not in _SEVERITY_ORDER:
+            continue
+        uuid, index = row.get("gpu_uuid"), None
+        subject = str(row.get("subject") or "")
+        if subject.startswith("gpu ") and subject.split(" ")[1].isdigit():
+            index = int(subject.split(" ")[1])
+            uuid = uuid or by_index.get(index)
+        if not uuid:
+            continue
+        key = (uuid, row["check"])
+        previous = out.get(key)
+        if previous is None or _SEVERITY_ORDER[row["severity"]] < _SEVERITY_ORDER[previous[1]]:
+            out[key] = (index, row["severity"])
+    return out
 
 
 def _like_prefix(prefix: str) -> str:
