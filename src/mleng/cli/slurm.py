@@ -243,7 +243,8 @@ def _exit_code(end, record) -> int:
         job_code = end.exit_code if end.exit_code is not None else (0 if end.state == "COMPLETED" else 1)
         if end.state not in ("COMPLETED", "UNKNOWN") and job_code == 0:
             job_code = 1  # TIMEOUT, CANCELLED, NODE_FAIL: the command never said it was done
-    if job_code == 0 and (record.summary.get("stragglers") or record.status != "complete"):
+    inconsistent = any(c.get("severity") == "fail" for c in record.summary.get("consistency") or [])
+    if job_code == 0 and (record.summary.get("stragglers") or inconsistent or record.status != "complete"):
         return 1
     return job_code
 
@@ -276,7 +277,8 @@ def _merge(args: argparse.Namespace) -> int:
         print(render_merged(record, stored))
     if problem:
         print(f"mleng slurm: warning: the merged record was not stored: {problem}", file=sys.stderr)
-    return 1 if record.summary.get("stragglers") or record.status != "complete" else 0
+    inconsistent = any(c.get("severity") == "fail" for c in record.summary.get("consistency") or [])
+    return 1 if record.summary.get("stragglers") or inconsistent or record.status != "complete" else 0
 
 
 _COLUMNS = {
@@ -311,6 +313,13 @@ def render_merged(record, stored: str | None = None) -> str:
     key = s.get("per_node_key")
     if s.get("per_node_note"):
         lines.append(f"note: {s['per_node_note']}")
+    consistency = s.get("consistency") or []
+    if consistency:
+        lines.append("")
+        lines.append("same stack on every node:")
+        for item in consistency:
+            mark = {"fail": "FAIL", "warn": "WARN", "ok": "ok", "inconclusive": "??"}.get(item["severity"], "--")
+            lines.append(f"[{mark:>4}] {item['summary']}")
     if s.get("stragglers"):
         lines.append("")
         for item in s["stragglers"]:

@@ -193,7 +193,9 @@ def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint
     from mleng.doctor.config import CONFIG_CHECKS
     from mleng.doctor.counters import COUNTER_CHECKS
 
-    for check in (*COUNTER_CHECKS.values(), *CONFIG_CHECKS.values()):
+    from mleng.doctor.consistency import check_firmware_within_node
+
+    for check in (*COUNTER_CHECKS.values(), *CONFIG_CHECKS.values(), check_firmware_within_node):
         findings += check(fingerprint)
     if local:
         findings += checks.check_disk(checkpoint_dir)

@@ -192,6 +192,12 @@ def _merge_independent(found: dict, slurm: dict, command: str) -> Measurement:
     theoretical = record.summary["theoretical"]
     if slowest and isinstance(theoretical, (int, float)) and theoretical:
         record.summary["ratio"] = round(slowest["value"] / theoretical, 4)
+    if kind == "doctor":
+        # The same stack on every node: versions and firmware compared, the odd node named.
+        from mleng.doctor.consistency import compare_nodes
+
+        machines = {node: rec.get("machine") or {} for node, rec in records.items() if rec is not None}
+        record.summary["consistency"] = [f.to_row() for f in compare_nodes(machines)] if len(machines) > 1 else []
     bad = [r["node"] for r in rows if r.get("status") != "complete"]
     expected = slurm.get("nodes")
     if isinstance(expected, int) and len(rows) < expected:
@@ -305,6 +311,12 @@ def annotate(record: Measurement, ratio: float = DEFAULT_STRAGGLER_RATIO) -> Non
             detail = f"doctor: {row['problems'][0]}{tag}"
             stragglers.append({"node": row["node"], "reason": detail})
             drains.append(drain_line(row["node"], detail))
+    for item in record.summary.get("consistency") or []:  # a node on another driver/NCCL/torch than the rest
+        if item.get("severity") == "fail":
+            for node in (item.get("measured") or {}).get("odd_nodes") or []:
+                detail = f"doctor: {item['summary']}{tag}"
+                stragglers.append({"node": node, "reason": detail})
+                drains.append(drain_line(node, detail))
     for row in table:  # a wrong all-reduce is worse than slow: that node computes or moves wrong data
         if row.get("all_reduce_ok") is False:
             detail = f"check: all-reduce of ones wrong on ranks {row['ranks']}{tag}"
