@@ -12,7 +12,8 @@ import pytest
 
 from mleng.distributed.launch import free_port
 from mleng.errors import UsageError
-from mleng.measure.collectives import OPS, op_names, parse_bytes, percentile, size_sweep
+from mleng.measure.collectives import OPS, op_names, percentile, size_sweep
+from mleng.measure.sizes import parse_size
 from mleng.results.store import Store
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -38,11 +39,13 @@ def expected_factor(op, n):
 
 
 def test_sizes_ops_and_stats():
-    assert parse_bytes("32K") == 32768 and parse_bytes("1M") == 1 << 20 and parse_bytes("4G") == 4 << 30
-    assert parse_bytes("64MiB") == 64 << 20 and parse_bytes("1000") == 1000
-    for bad in ("12X", "-1M", "0", "1.5"):
+    # The one size rule: bare K/M/G binary (nccl-tests' -b 1G), IEC binary, SI decimal.
+    assert parse_size("32K") == 32768 and parse_size("1M") == 1 << 20 and parse_size("4G") == 4 << 30
+    assert parse_size("64MiB") == 64 << 20 and parse_size("1000") == 1000
+    assert parse_size("1GB") == 10**9 and parse_size("1GiB") == parse_size("1G") == 1 << 30
+    for bad in ("12X", "-1M", "0", "1.5", "1.3K"):
         with pytest.raises(UsageError):
-            parse_bytes(bad)
+            parse_size(bad)
     assert size_sweep(1 << 20, 8 << 20, 2) == [1 << 20, 2 << 20, 4 << 20, 8 << 20]
     assert size_sweep(1 << 20, 1 << 20, 2) == [1 << 20]
     with pytest.raises(UsageError):
@@ -102,7 +105,7 @@ def test_blocking_plot_and_min_busbw_failure(mleng_home, tmp_path):
 
 
 def test_bad_input_is_one_message_and_exit_2(mleng_home):
-    for args, says in ((["-b", "12X"], "size '12X' is not a byte count"),
+    for args, says in ((["-b", "12X"], "-b/--min-bytes '12X' is not a size"),
                        (["--op", "all_shuffle"], "unknown op 'all_shuffle'"),
                        (["--dtype", "fp7"], "unknown dtype 'fp7'"),
                        (["-b", "4M", "-e", "1M"], "is above --max-bytes")):

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mleng.distributed.runner import run_as_ranks
-    from mleng.measure.collectives import parse_bytes
+    from mleng.measure.sizes import parse_size
 
     if args.timeout <= 0:
         raise UsageError("--timeout must be positive")
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.outlier_ratio < 1:
         raise UsageError(f"--outlier-ratio {args.outlier_ratio:g}: give a fraction of the median from 0 up to "
                          "(not including) 1", hint="0.7 flags pairs below 70% of the median; 0 flags none")
-    pair_bytes = parse_bytes(args.pair_bytes)
+    pair_bytes = parse_size(args.pair_bytes, "--pair-bytes")
     return run_as_ranks("check", args._argv, args.nproc, args.timeout,
                         lambda launch: run_rank(args, launch, pair_bytes))
 

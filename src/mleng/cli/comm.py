@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--op", action="append", metavar="OP",
                         help="all_reduce (default), all_gather, reduce_scatter, all_to_all, broadcast, reduce, "
                              "send_recv; repeat or comma-separate for several, or 'all'")
-    parser.add_argument("-b", "--min-bytes", default="1M", help="smallest size per rank (32K, 1M, 4G; binary)")
+    parser.add_argument("-b", "--min-bytes", default="1M", help="smallest size per rank (32K, 1M, 4G: bare K/M/G and KiB/MiB/GiB are binary, KB/MB/GB decimal)")
     parser.add_argument("-e", "--max-bytes", default=None,
                         help="largest size per rank (default 1G on GPUs, 64M on CPU)")
     parser.add_argument("-f", "--factor", type=float, default=2.0, help="size multiplier between steps (2)")
@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from(args: argparse.Namespace):
     from mleng.distributed.launch import visible_gpu_count
-    from mleng.measure.collectives import Settings, dtype_name, op_names, parse_bytes, size_sweep
+    from mleng.measure.collectives import Settings, dtype_name, op_names, size_sweep
+    from mleng.measure.sizes import parse_size
 
     max_text = args.max_bytes or ("1G" if visible_gpu_count() and args.backend != "gloo" else "64M")
     for name in ("iters", "repeats"):
@@ -66,7 +67,8 @@ def settings_from(args: argparse.Namespace):
 
         check_output_path(args.plot, "--plot", (".png",))
         pyplot()  # a missing matplotlib is said now, not after the sweep
-    sizes = size_sweep(parse_bytes(args.min_bytes), parse_bytes(max_text), args.factor)
+    sizes = size_sweep(parse_size(args.min_bytes, "-b/--min-bytes"), parse_size(max_text, "-e/--max-bytes"),
+                       args.factor)
     check_memory(max(sizes), max_text, args.backend, args.nproc)
     return Settings(ops=op_names(args.op or ["all_reduce"]),
                     sizes=sizes,
@@ -87,7 +89,7 @@ def check_memory(max_bytes: int, max_text: str, backend: str | None, nproc: int 
     """Each rank holds an input and an output buffer of the largest size: checked against free memory
     before any rank starts, instead of an allocator error on every rank."""
     from mleng.distributed.launch import visible_gpu_count
-    from mleng.measure.collectives import format_bytes
+    from mleng.measure.sizes import format_bytes
     from mleng.measure.membw import HOST_MARGIN_BYTES, host_available_bytes
 
     per_rank = 2 * max_bytes
@@ -296,7 +298,7 @@ class _RowPrinter:
 
 
 def _footer(record, stored, store_problem) -> str:
-    from mleng.measure.collectives import format_bytes
+    from mleng.measure.sizes import format_bytes
 
     s = record.summary
     lines = [""]

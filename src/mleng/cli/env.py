@@ -8,6 +8,7 @@ from typing import Any
 
 from mleng.cli.render import print_json, table
 from mleng.errors import UsageError
+from mleng.measure.sizes import format_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,20 +52,6 @@ def load_fingerprint(path: str) -> dict[str, Any]:
     return without_annotations(data)
 
 
-def format_bytes(value: Any) -> str:
-    """Bytes with binary prefixes (GiB), the project's display convention for sizes."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return "-" if value is None else str(value)
-    size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
-
-
-def _gib(value: Any) -> str:
-    return "-" if not isinstance(value, (int, float)) else f"{value / 2**30:.1f}"
 
 
 def _dash(value: Any) -> str:
@@ -148,7 +135,7 @@ def _render_gpus(gpus: dict[str, Any]) -> list[str]:
         rows.append({
             "idx": d.get("index"),
             "name": d.get("name"),
-            "mem_used/total": f"{_gib(d.get('memory_used_bytes'))}/{format_bytes(d.get('memory_total_bytes'))}",
+            "mem_used/total": f"{format_bytes(d.get('memory_used_bytes'))}/{format_bytes(d.get('memory_total_bytes'))}",
             "util%": d.get("utilization_gpu_pct"),
             "sm_mhz": f"{_dash(d.get('sm_clock_mhz'))}/{_dash(d.get('sm_clock_max_mhz'))}",
             "mem_mhz": f"{_dash(d.get('mem_clock_mhz'))}/{_dash(d.get('mem_clock_max_mhz'))}",

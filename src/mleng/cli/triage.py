@@ -7,6 +7,7 @@ import os
 import sys
 
 from mleng.errors import UsageError
+from mleng.measure.sizes import format_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +31,7 @@ def result(args: argparse.Namespace, index=None) -> dict:
     from mleng.handbook.triage import NotText
     from mleng.cli.ask import warn_skipped
     from mleng.handbook.index import open_index
-    from mleng.handbook.triage import Matcher, NotText, finding_to_dict, open_log, triage_compressed, triage_file
+    from mleng.handbook.triage import Matcher, finding_to_dict, open_log, triage_compressed, triage_file
 
     # Bad input is refused before the index is opened (and perhaps built).
     if args.logfile == "-":
@@ -94,17 +95,10 @@ def _check_log(path: str) -> None:
                              hint="pass the job's text log (plain, .gz, .xz, .bz2 or .zst)") from None
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
 def render(report: dict) -> str:
     source, findings = report["source"], report["findings"]
-    head = (f"{source}: {report['lines']:,} lines ({_size(report['bytes'])}) scanned in {report['elapsed_s']:.2f} s: "
+    head = (f"{source}: {report['lines']:,} lines ({format_bytes(report['bytes'])}) scanned in "
+            f"{report['elapsed_s']:.2f} s: "
             + (f"{len(findings)} known problem{'s' if len(findings) != 1 else ''} found"
                if findings else "no known problem found"))
     out = [head]

@@ -4,40 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import statistics
 import time
 from typing import Any, Callable, Iterator
 
 from mleng.errors import CheckFailed, UsageError
+from mleng.measure.sizes import format_bytes
 from mleng.specs.formulas import busbw_factor  # nccl-tests' factors, kept with the other formulas
 
 # ---------------------------------------------------------------------------------------------
-# Sizes and dtypes
+# Sizes and dtypes (sizes are parsed and shown by mleng.measure.sizes, the one size rule)
 # ---------------------------------------------------------------------------------------------
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
-_UNIT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """'32K', '1M', '4G', '1048576', '64MiB' -> bytes; the prefixes are binary, as in nccl-tests."""
-    match = _SIZE.match(str(text))
-    if not match:
-        raise UsageError(f"size {text!r} is not a byte count", hint="write it like 1048576, 32K, 1M or 4G")
-    value = float(match.group(1)) * _UNIT[match.group(2).lower()]
-    if value < 1 or value != int(value):
-        raise UsageError(f"size {text!r} is not a whole, positive number of bytes")
-    return int(value)
-
-
-def format_bytes(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            value = n / scale
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-    return f"{n} B"
-
 
 def size_sweep(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
     if min_bytes > max_bytes:

@@ -1,4 +1,8 @@
-"""Byte sizes as users type them (64MiB, 4GiB, 1.5G) and as the output shows them (binary prefixes)."""
+"""Byte sizes as users type them and as every table shows them: the one size rule of mleng.
+
+IEC suffixes are powers of two (KiB, MiB, GiB, TiB), SI suffixes powers of ten (KB, MB, GB, TB), and a
+bare K/M/G/T is a power of two, as in nccl-tests' `-b 1G`. Output uses binary prefixes.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str | int, what: str = "size") -> int:
-    """Bytes from '64MiB', '4GiB', '1G' (a bare K/M/G/T is binary, KB/MB/GB/TB decimal)."""
+    """Bytes from '64MiB', '4GiB', '1G' (a bare K/M/G/T is binary, KB/MB/GB/TB decimal); `what` names the flag."""
     if isinstance(text, int):
         value = text
     else:
@@ -26,14 +30,20 @@ def parse_size(text: str | int, what: str = "size") -> int:
         if match is None or unit not in _UNITS:
             raise UsageError(f"{what} {text!r} is not a size",
                              hint="write it like 64MiB, 4GiB, 1G or a plain number of bytes")
-        value = int(float(match.group(1)) * _UNITS[unit])
+        exact = float(match.group(1)) * _UNITS[unit]
+        if exact != int(exact):
+            raise UsageError(f"{what} {text!r} is not a whole number of bytes ({exact:g})",
+                             hint="write it like 64MiB, 4GiB, 1G or a plain number of bytes")
+        value = int(exact)
     if value <= 0:
         raise UsageError(f"{what} must be more than 0 bytes (got {text!r})")
     return value
 
 
-def format_bytes(n: float) -> str:
-    """Binary prefixes for display: 4.0 GiB, 512 MiB, 4 KiB."""
+def format_bytes(n: float | None) -> str:
+    """Binary prefixes for display: 4 GiB, 1.5 GiB, 512 MiB, 4 KiB; '-' for a missing value."""
+    if n is None or isinstance(n, bool) or not isinstance(n, (int, float)):
+        return "-" if n is None else str(n)
     n = float(n)
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:

@@ -7,6 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
+from mleng.measure.sizes import format_bytes
 from mleng.report.svg import bar_chart, line_chart
 from mleng.results.record import Measurement
 
@@ -37,12 +38,6 @@ def _fmt(value: Any) -> str:
     return _esc("-" if value is None else value)
 
 
-def _size(n: float) -> str:
-    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= factor:
-            return f"{n / factor:.0f}{unit}"
-    return f"{n:.0f}B"
-
 
 def rows_table(rows: list[dict[str, Any]], columns: list[str] | None = None, limit: int = MAX_TABLE_ROWS) -> str:
     if not rows:
@@ -70,7 +65,7 @@ def _collective_section(m: Measurement) -> str:
     theoretical = m.summary.get("theoretical")
     reference = (float(theoretical), f"link spec {theoretical:.4g} GB/s") if theoretical else None
     chart = line_chart("busbw against message size", series, "message size per rank", "busbw (GB/s, base 10)",
-                       log_x=True, reference=reference, x_format=_size)
+                       log_x=True, reference=reference, x_format=format_bytes)
     note = "" if reference else f'<p class="meta">{_esc(m.summary.get("reference") or "no link spec to compare")}</p>'
     columns = ["op", "size_bytes", "count", "dtype", "time_us", "time_p99_us", "time_cv", "algbw_gbps", "busbw_gbps"]
     return chart + note + rows_table(m.rows, [c for c in columns if any(c in r for r in m.rows)])

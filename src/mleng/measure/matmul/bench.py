@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
+from mleng.measure.sizes import format_bytes
 from mleng.errors import NotAvailableError, UsageError
 from mleng.measure.matmul.search import BURST_IDLE_S, BURST_WARMUP, FINAL_WARMUP_S
 from mleng.measure.matmul.shapes import CPU_LOW_PRECISION_MAX_DIM, FP8_DTYPES, Shape
@@ -158,18 +159,14 @@ def check_fits(device, dtype: str, shapes: Sequence[Shape]) -> None:
     if free is not None and need > 0.9 * free:
         largest = max(shapes, key=lambda s: s.m * s.k + s.n * s.k + s.m * s.n)
         raise UsageError(
-            f"shape {largest} in {dtype} needs {_gib(need)} of memory on {device}, "
-            f"but only {_gib(free)} is free",
+            f"shape {largest} in {dtype} needs {format_bytes(need)} of memory on {device}, "
+            f"but only {format_bytes(free)} is free",
             hint="use smaller dimensions",
         )
     if dtype in FP8_DTYPES:
         bad = [s for s in shapes if s.m % 16 or s.n % 16 or s.k % 16]
         if bad:
             raise UsageError(f"fp8 matmul (torch._scaled_mm) needs every dimension divisible by 16; {bad[0]} is not")
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
 
 
 # ---------------------------------------------------------------- the real measurement
