@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "upgrade": ("mleng.cli.upgrade", "does a GPU generation upgrade pay for itself"),
     "slurm": ("mleng.cli.slurm", "write and run sbatch scripts that run mleng across nodes"),
     "hang": ("mleng.cli.hang", "hang forensics: py-spy dumps of every rank, flight-recorder analysis"),
+    "step": ("mleng.cli.step", "a real training step measured: tokens/s, MFU vs peak and MAMF, memory, breakdown"),
     "mcp": ("mleng.cli.mcp", "serve the handbook and the measurements to AI agents over MCP (stdio)"),
 }
 
