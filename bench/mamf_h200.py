@@ -53,9 +53,9 @@ def headline(run: dict) -> dict:
         "burst_tflops_median": (s.get("burst") or {}).get("tflops_median"),
         "shapes_tried": s.get("shapes_tried"), "stop_reason": s.get("stop_reason"),
         "wall_s": s.get("wall_s_from_process_start"), "wall_s_outside": run["wall_s_outside"],
-        "sm_clock_mean_mhz": (gpu.get("sm_clock_mhz") or {}).get("mean"),
+        "sm_clock_mhz_mean": (gpu.get("sm_clock_mhz") or {}).get("mean"),
         "sm_clock_max_mhz": gpu.get("sm_clock_max_mhz"),
-        "power_mean_w": (gpu.get("power_w") or {}).get("mean"),
+        "power_w_mean": (gpu.get("power_w") or {}).get("mean"),
         "theoretical": s.get("theoretical"), "ratio": s.get("ratio"),
         "error": None if run["exit_code"] in (0, 130) else " | ".join(run["stderr_tail"]),
     }
@@ -64,7 +64,7 @@ def headline(run: dict) -> dict:
 def print_table(rows: list[dict]) -> None:
     columns = ["label", "exit", "best_shape", "tflops_median", "tflops_mean", "tflops_max", "iters",
                "burst_shape", "burst_tflops_median", "shapes_tried", "wall_s", "stop_reason",
-               "sm_clock_mean_mhz", "power_mean_w"]
+               "sm_clock_mhz_mean", "power_w_mean"]
     cells = [[("-" if r.get(c) is None else f"{r[c]:.1f}" if isinstance(r.get(c), float) else str(r[c]))
               for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]

@@ -714,7 +714,7 @@ def test_power_brake_has_one_spelling_and_fails_the_clock_check():
     assert gpu_monitor.LIMITING_REASONS <= nvml.SLOWDOWN_REASONS
     reasons = gpu_monitor.decode_throttle_reasons(0x80)
     fp = json.loads(HEALTHY.read_text())
-    samples = {d["index"]: {"sm_clock_mean_mhz": 1100.0, "sm_clock_max_mhz": 1980.0, "throttle_reasons": reasons}
+    samples = {d["index"]: {"sm_clock_mhz_mean": 1100.0, "sm_clock_max_mhz": 1980.0, "throttle_reasons": reasons}
                for d in fp["gpus"]["devices"]}
     findings = checks.check_clocks(fp, samples)
     assert {f.severity for f in findings} == {"fail"}

@@ -79,7 +79,7 @@ def test_every_op_checks_correct_with_its_busbw_factor(n, mleng_home):
     assert record["params"]["world_size"] == n and record["params"]["launch"] == "spawned"
     assert [r["rank"] for r in record["machine"]["ranks"]] == list(range(n))
     assert record["summary"]["verdict"] == "inconclusive"
-    assert record["summary"]["reference"] == "no reference rate for gloo over loopback"
+    assert record["summary"]["theoretical_source"] == "no reference rate for gloo over loopback"
     assert record["summary"]["wrong"] == 0
     with Store() as store:  # rank 0 alone stored exactly one record
         assert [r["id"] for r in store.list(kind="collective")] == [record["id"]]

@@ -52,7 +52,7 @@ def test_idle_clock_is_inconclusive_not_ok():
 
 def test_clock_samples_from_a_run_under_load_take_precedence():
     fp = fingerprint("h200_vm_idle")
-    findings = checks.check_clocks(fp, {0: {"sm_clock_mean_mhz": 1100, "sm_clock_max_mhz": 1980,
+    findings = checks.check_clocks(fp, {0: {"sm_clock_mhz_mean": 1100, "sm_clock_max_mhz": 1980,
                                             "throttle_reasons": ["hw_thermal_slowdown"]}})
     assert failing(findings)
 

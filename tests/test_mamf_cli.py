@@ -74,7 +74,7 @@ def test_small_cpu_search_end_to_end(run_mleng, mleng_home):
     assert summary["dtype"] == "float32" and summary["search"] == "adaptive"
     assert summary["best_phase"] == "final" and summary["iters"] >= 20
     assert summary["shapes_tried"] == len({(r["m"], r["n"], r["k"]) for r in record["rows"]})
-    assert summary["theoretical"] is None and summary["spec_note"]
+    assert summary["theoretical"] is None and summary["theoretical_source"]
     rows = record["rows"]
     assert {"coarse", "final"} <= {r["phase"] for r in rows}
     for row in rows:

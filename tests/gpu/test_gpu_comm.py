@@ -109,7 +109,7 @@ def test_comm_cli_default_on_one_gpu_prints_an_error_row_not_a_rate(run_mleng, t
     assert all(r.get("error") and "busbw_gbps" not in r and "algbw_gbps" not in r for r in rows), rows
     assert result.returncode == 1 and "one rank crosses no link" in result.stderr, result.stderr
     s = record["summary"]
-    assert s["value"] is None and s["verdict"] == "inconclusive" and "one rank" in s["reference"]
+    assert s["value"] is None and s["verdict"] == "inconclusive" and "one rank" in s["theoretical_source"]
     assert record["machine"]["ranks"][0]["gpu_uuid"].startswith("GPU-")
 
 

@@ -174,10 +174,10 @@ def render(measurement, top: int = 10) -> str:
                                           f"{burst['warmup_calls']} warm-up calls)" if burst["idle_before_s"]
                                           else ")")))
     if s.get("theoretical"):
-        fields.append(("theoretical", f"{s['theoretical']:.1f} TFLOPS ({s['spec_note']})"))
+        fields.append(("theoretical", f"{s['theoretical']:.1f} TFLOPS ({s['theoretical_source']})"))
         fields.append(("efficiency", f"{s['ratio'] * 100:.1f}% of theoretical"))
     else:
-        fields.append(("theoretical", f"unknown: {s.get('spec_note')}"))
+        fields.append(("theoretical", f"unknown: {s.get('theoretical_source')}"))
     phases = ", ".join(f"{name} {count}" for name, count in s.get("phases", {}).items())
     stop = s["stop_reason"]
     if stop == "time budget":
@@ -239,7 +239,7 @@ def _render_all_devices(measurement) -> str:
     if measurement.status == "interrupted":
         lines.append("interrupted: each GPU's best shape so far is kept")
     lines.append(table(s["per_device"], ["device", "device_name", "best_shape", "tflops_median", "tflops_mean",
-                                         "ratio", "sm_clock_mean_mhz", "power_mean_w", "below_max_clock", "status"],
+                                         "ratio", "sm_clock_mhz_mean", "power_w_mean", "below_max_clock", "status"],
                        ["GPU", "name", "best shape", "median", "mean", "of peak", "SM MHz", "power W",
                         "below max clock", "status"]))
     if s.get("value") is not None:

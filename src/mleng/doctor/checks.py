@@ -88,7 +88,7 @@ def check_clocks(fp: dict[str, Any], load_samples: dict[int, dict[str, Any]] | N
     """SM clock under load against the card's max, with the throttle reasons NVML gives.
 
     load_samples: per GPU index, the NVML monitor summary of a run under load
-    ({"sm_clock_mean_mhz", "sm_clock_max_mhz", "throttle_reasons"}); without it the fingerprint's
+    ({"sm_clock_mhz_mean", "sm_clock_max_mhz", "throttle_reasons"}); without it the fingerprint's
     own sample is judged only where the GPU was busy when it was taken.
     """
     devices = gpu_devices(fp)
@@ -98,7 +98,7 @@ def check_clocks(fp: dict[str, Any], load_samples: dict[int, dict[str, Any]] | N
     for d in devices:
         sample = (load_samples or {}).get(d.get("index"))
         if sample:
-            clock, reasons = sample.get("sm_clock_mean_mhz"), sample.get("throttle_reasons") or []
+            clock, reasons = sample.get("sm_clock_mhz_mean"), sample.get("throttle_reasons") or []
         elif (d.get("utilization_gpu_pct") or 0) >= LOAD_UTILIZATION_PCT:
             clock, reasons = d.get("sm_clock_mhz"), d.get("throttle_reasons") or []
         else:

@@ -77,7 +77,7 @@ def _load_samples(record: dict[str, Any]) -> dict[int, dict[str, Any]]:
         return {}
     device = str(summary.get("device") or "cuda:0")
     index = int(device.rsplit(":", 1)[-1]) if device.rsplit(":", 1)[-1].isdigit() else 0
-    return {index: {"sm_clock_mean_mhz": monitor["sm_clock_mhz"]["mean"],
+    return {index: {"sm_clock_mhz_mean": monitor["sm_clock_mhz"]["mean"],
                     "sm_clock_max_mhz": monitor.get("sm_clock_max_mhz"),
                     "throttle_reasons": sorted(monitor.get("throttle_reasons") or {})}}
 

@@ -545,7 +545,7 @@ def summarize(rows: list[dict], reference_gbps: float | None, reference_note: st
                                  "ratio": (row["busbw_gbps"] / reference_gbps) if reference_gbps else None}
     wrong = sum(int(r.get("wrong") or 0) for r in rows)
     summary: dict[str, Any] = {"value": None, "unit": "GB/s", "theoretical": reference_gbps, "ratio": None,
-                               "metric": "peak busbw", "reference": reference_note, "ops": per_op}
+                               "metric": "peak busbw", "theoretical_source": reference_note, "ops": per_op}
     if per_op:
         op, best = max(per_op.items(), key=lambda kv: kv[1]["peak_busbw_gbps"])
         summary.update(value=best["peak_busbw_gbps"], op=op, at_size_bytes=best["at_size_bytes"],

@@ -66,7 +66,7 @@ def _collective_section(m: Measurement) -> str:
     reference = (float(theoretical), f"link spec {theoretical:.4g} GB/s") if theoretical else None
     chart = line_chart("busbw against message size", series, "message size per rank", "busbw (GB/s, base 10)",
                        log_x=True, reference=reference, x_format=format_bytes)
-    note = "" if reference else f'<p class="meta">{_esc(m.summary.get("reference") or "no link spec to compare")}</p>'
+    note = "" if reference else f'<p class="meta">{_esc(m.summary.get("theoretical_source") or "no link spec to compare")}</p>'
     columns = ["op", "size_bytes", "count", "dtype", "time_us", "time_p99_us", "time_cv", "algbw_gbps", "busbw_gbps"]
     return chart + note + rows_table(m.rows, [c for c in columns if any(c in r for r in m.rows)])
 
@@ -82,7 +82,7 @@ def _mamf_section(m: Measurement) -> str:
         parts.append(bar_chart("best median TFLOPS per GPU (slowest in red)", bars, "TFLOPS", reference,
                                highlight={f"GPU {slowest}"}, highlight_label="slowest"))
         parts.append(rows_table(per_device, ["device", "device_name", "best_shape", "tflops_median", "tflops_max",
-                                             "sm_clock_mean_mhz", "power_mean_w", "below_max_clock", "status"]))
+                                             "sm_clock_mhz_mean", "power_w_mean", "below_max_clock", "status"]))
     ranked = _ranked_shapes(m)
     if ranked:
         # One bar per shape (its most-measured row) and one "best": the headline's shape, not a

@@ -162,7 +162,7 @@ def run_mamf(options: MamfOptions, on_result: OnResult | None = None,
     check_fits(device, dtype, fit_shapes)
 
     name = device_name(device)
-    theoretical, spec_note = theoretical_tflops(device, name, dtype, options.tf32)
+    theoretical, theoretical_source = theoretical_tflops(device, name, dtype, options.tf32)
     params = {"device": str(device), "dtype": dtype, "tf32": options.tf32, "max_seconds": options.max_seconds,
               "search": "adaptive" if space else "exhaustive",
               "space": dataclasses.asdict(space) if space else None,
@@ -248,7 +248,7 @@ def run_mamf(options: MamfOptions, on_result: OnResult | None = None,
         "device_name": name,
         "dtype": dtype,
         "spec_key": spec_key(dtype, options.tf32),
-        "spec_note": spec_note,
+        "theoretical_source": theoretical_source,
         "best_shape": str(best.shape) if best else None,
         "m": best.shape.m if best else None, "n": best.shape.n if best else None,
         "k": best.shape.k if best else None,
@@ -379,9 +379,9 @@ def run_all_devices(child_argv: Callable[[int], list[str]], count: int, env: dic
             "tflops_median": summary.get("tflops_median"), "tflops_mean": summary.get("tflops_mean"),
             "tflops_max": summary.get("tflops_max"), "ratio": summary.get("ratio"),
             "shapes_tried": summary.get("shapes_tried"), "status": record.get("status"),
-            "sm_clock_mean_mhz": ((summary.get("gpu_monitor_measuring") or {}).get("sm_clock_mhz") or {}).get("mean"),
+            "sm_clock_mhz_mean": ((summary.get("gpu_monitor_measuring") or {}).get("sm_clock_mhz") or {}).get("mean"),
             "below_max_clock": (summary.get("gpu_monitor_measuring") or {}).get("below_max_clock"),
-            "power_mean_w": ((summary.get("gpu_monitor_measuring") or {}).get("power_w") or {}).get("mean"),
+            "power_w_mean": ((summary.get("gpu_monitor_measuring") or {}).get("power_w") or {}).get("mean"),
             "record_id": record.get("id"),
         })
         measurement.summary.setdefault("theoretical", summary.get("theoretical"))
