@@ -27,6 +27,16 @@ def test_healthy_job_reports_every_rank(mleng_home):
         assert store.get(record["id"]).summary["verdict"] == "ok"
 
 
+def test_no_store_measures_and_stores_nothing(mleng_home):
+    for command in (["check", "--nproc", "2", "--timeout", "20"],
+                    ["comm", "--nproc", "2", "-b", "64K", "-e", "64K", "--iters", "2", "--timeout", "20"]):
+        done = mleng(*command, "--no-store", "--json", home=mleng_home)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["status"] == "complete"
+    with Store() as store:
+        assert store.list() == []
+
+
 def test_missing_rank_contract_and_missing_master(mleng_home):
     # Contract (issue 4): rank 0 of a world of 2, rank 1 never started -> non-zero within 25 s, rank 1 named.
     # Alongside, the mirror case: rank 1 alone, nobody serving rank 0's store.

@@ -22,6 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--outlier-ratio", type=float, default=0.7,
                         help="--pairs: flag pairs below this fraction of the median (0.7; 0 flags none)")
     parser.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl on GPUs, gloo on CPU")
+    parser.add_argument("--no-store", action="store_true", help="do not save the result in the results store")
     parser.add_argument("--nproc", type=int, help="local ranks to spawn when not under torchrun/srun "
                                                    "(default: one per GPU, 2 on CPU)")
 
@@ -163,7 +164,7 @@ def _finish(record, job, rows, pairs, args, status, error) -> None:
         record.summary["pairs"] = pairs
     record.params["launch"] = job.launch.mode if job else None
     record.finish(status, error)
-    stored, store_problem = store_record(record)
+    stored, store_problem = store_record(record, args.no_store)
     if args.json:
         import json
 

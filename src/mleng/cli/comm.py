@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference-gbps", type=float, metavar="GBPS",
                         help="link rate to compare the peak with, instead of the one from the specs")
     parser.add_argument("--plot", metavar="FILE.png", help="draw busbw against size")
+    parser.add_argument("--no-store", action="store_true", help="do not save the result in the results store")
     parser.add_argument("--no-cuda-graph", action="store_true",
                         help="on NCCL, issue the timed ops eagerly instead of replaying a CUDA graph")
 
@@ -201,7 +202,7 @@ def _finish(record, rows, job, settings, backend, args, status, error) -> None:
     record.summary = collectives.summarize(rows, reference, note, args.min_busbw)
     record.summary["timing"] = collectives.timing_note(settings, any(r.get("timing") == "cuda_graph" for r in rows))
     record.finish(status, error)
-    stored, store_problem = store_record(record)
+    stored, store_problem = store_record(record, args.no_store)
     if args.json:
         print(_json(record))
     else:
@@ -309,7 +310,7 @@ def _footer(record, stored, store_problem) -> str:
         share = f" = {best['ratio'] * 100:.1f}% of {s['theoretical']:g} GB/s" if best.get("ratio") is not None else ""
         lines.append(f"peak busbw {op}: {best['peak_busbw_gbps']:.3g} GB/s at {format_bytes(best['at_size_bytes'])}{share}")
     verdict = "" if s.get("theoretical") else " (inconclusive)"
-    lines.append(f"reference: {s.get('reference')}{verdict}")
+    lines.append(f"reference: {s.get('theoretical_source')}{verdict}")
     if "wrong" in s:
         lines.append(f"check: {s['wrong']} wrong elements" + (" (all results correct)" if not s["wrong"] else ""))
     if stored:

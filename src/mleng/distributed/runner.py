@@ -57,8 +57,10 @@ def fingerprint(gpus: bool) -> dict:
     return collect_for_record(gpus=gpus)
 
 
-def store_record(measurement) -> tuple[str | None, str | None]:
-    """Save on rank 0; (id, None) or (None, why not) so a store problem never hides the measurement."""
+def store_record(measurement, no_store: bool = False) -> tuple[str | None, str | None]:
+    """Save on rank 0 unless --no-store; (id, None) or (None, why not): a store problem never hides the measurement."""
+    if no_store:
+        return None, None
     try:
         from mleng.results.store import save_measurement
 
