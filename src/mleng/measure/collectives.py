@@ -34,15 +34,12 @@ def size_sweep(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
 # and the --check patterns below are signed.
 DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "float64": "float64",
           "int32": "int32", "int64": "int64", "int8": "int8"}
-DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
-                 "bf16": "bfloat16", "fp64": "float64", "double": "float64"}
 
 
 def dtype_name(text: str) -> str:
-    name = DTYPE_ALIASES.get(text.lower(), text.lower())
-    if name not in DTYPES:
-        raise UsageError(f"unknown dtype {text!r}", hint=f"use one of {', '.join(DTYPES)}")
-    return name
+    from mleng.measure.dtypes import canonical
+
+    return canonical(text, tuple(DTYPES))
 
 
 def torch_dtype(name: str):

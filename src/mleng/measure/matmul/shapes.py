@@ -5,15 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Sequence
 
+from mleng.measure.dtypes import canonical
 from mleng.errors import UsageError
 from mleng.measure.timing import TimingStats
 
 DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e4m3fnuz")
-DTYPE_ALIASES = {
-    "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
-    "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "fp8_e4m3fn": "float8_e4m3fn",
-    "fp8_e4m3fnuz": "float8_e4m3fnuz",
-}
 # dtype -> key of mleng.specs Accelerator.tflops (dense rates).
 SPEC_KEYS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32",
              "float8_e4m3fn": "fp8", "float8_e4m3fnuz": "fp8"}
@@ -29,11 +25,7 @@ def rate(tflops: float) -> float:
 
 
 def canonical_dtype(name: str) -> str:
-    key = name.strip().lower().replace("torch.", "")
-    key = DTYPE_ALIASES.get(key, key)
-    if key not in DTYPES:
-        raise UsageError(f"unknown dtype {name!r}", hint=f"use one of: {', '.join(DTYPES)}")
-    return key
+    return canonical(name, DTYPES)
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -1,0 +1,23 @@
+"""The one dtype table: the names users type (bf16, fp32, half, fp8) and the torch names they mean."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from mleng.errors import UsageError
+
+# alias -> torch dtype name. Every command accepts these; each says which of the names it measures.
+ALIASES = {
+    "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+    "fp64": "float64", "double": "float64",
+    "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "fp8_e4m3fn": "float8_e4m3fn", "fp8_e4m3fnuz": "float8_e4m3fnuz",
+}
+
+
+def canonical(text: str, allowed: Sequence[str]) -> str:
+    """The torch name of `text` ('bf16', 'torch.bfloat16', 'BFloat16' -> 'bfloat16'), if `allowed` holds it."""
+    key = str(text).strip().lower().replace("torch.", "")
+    key = ALIASES.get(key, key)
+    if key not in allowed:
+        raise UsageError(f"unknown dtype {text!r}", hint=f"use one of: {', '.join(allowed)}")
+    return key
