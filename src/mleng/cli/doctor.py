@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel-log", metavar="FILE",
                         help="judge a saved kernel log (dmesg, dmesg -T, journalctl -k, syslog) instead of this "
                              "machine's: the log of a node diagnosed with --fingerprint")
+    parser.add_argument("--burn", metavar="DURATION",
+                        help="also burn in: sustained bf16 matmuls on every GPU for DURATION (90s, 10m, 1h), results "
+                             "checked bitwise and against a float64 tile, TFLOPS drift, clocks and temperature")
     parser.add_argument("--report", metavar="FILE.html", help="also write a self-contained HTML report")
     parser.add_argument("--no-store", action="store_true", help="do not save the doctor run in the results store")
 
@@ -138,6 +141,17 @@ def diagnose(args: argparse.Namespace, progress=None):
                              hint="save a node's log with `sudo dmesg > FILE` or `journalctl -k -b > FILE`")
         if not os.path.isfile(args.kernel_log) or not os.access(args.kernel_log, os.R_OK):
             raise UsageError(f"--kernel-log {args.kernel_log} is not a readable file")
+    burn_s = None
+    if args.burn is not None:
+        from mleng.doctor.burn import parse_duration
+
+        try:
+            burn_s = parse_duration(args.burn)
+        except ValueError as exc:
+            raise UsageError(f"--burn {exc}", hint="e.g. --burn 10m") from None
+        if args.fingerprint:
+            raise UsageError("--burn runs on this machine's GPUs; --fingerprint diagnoses another node",
+                             hint="run the doctor with --burn on that node")
     report = check_output_path(args.report, "--report", (".html", ".htm"))
     report_note = replacing_note(report)
     fingerprint = _load_fingerprint(args.fingerprint) if args.fingerprint else None
@@ -145,7 +159,7 @@ def diagnose(args: argparse.Namespace, progress=None):
     record = run_doctor(tier=tier, expect_gpus=args.expect_gpus, checkpoint_dir=args.checkpoint_dir,
                         measure=not (args.no_measure or args.fingerprint), fingerprint=fingerprint,
                         on_step=progress, local=fingerprint is None, cpus=args.cpus, since=args.since,
-                        kernel_log_path=args.kernel_log)
+                        kernel_log_path=args.kernel_log, burn_s=burn_s)
     return record, store_or_warn(record, args), report, report_note
 
 

@@ -141,11 +141,44 @@ def kernel_log_findings(fp: dict[str, Any], local: bool, since: str | None,
     return check_kernel_log(log, fp, window)
 
 
+def run_burn_subprocess(seconds: float, env_fault: str | None = None) -> dict[str, Any]:
+    """The burn-in in its own process (python -m mleng.doctor.burn): a GPU that hangs or faults cannot take
+    the doctor, and the kernel-log check after it, down with it."""
+    from mleng.doctor.burn import FAULT_ENV
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUBLAS_WORKSPACE_CONFIG":
+           os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")}
+    if env_fault:
+        env[FAULT_ENV] = env_fault
+    timeout_s = seconds * 1.5 + 180  # start-up, the host copies and the reference tile come on top
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "mleng.doctor.burn", "--seconds", str(seconds)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return {"error": f"the burn-in did not finish within {timeout_s:.0f} s: a device hung (see the kernel log)"}
+    except KeyboardInterrupt:
+        proc.kill()
+        proc.communicate()
+        raise
+    try:
+        result = json.loads(stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        tail = (stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        return {"error": f"the burn-in failed: {tail}", "exit_code": proc.returncode}
+    result["wall_s"] = round(time.monotonic() - started, 2)
+    return result
+
+
 def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint_dir: str | None = None,
                measure: bool = True, fingerprint: dict[str, Any] | None = None,
                on_step: Callable[[str], None] | None = None, local: bool | None = None,
                cpus: str | None = None, since: str | None = None,
-               kernel_log_path: str | None = None, history: bool = True) -> Measurement:
+               kernel_log_path: str | None = None, history: bool = True,
+               burn_s: float | None = None) -> Measurement:
     """Everything `mleng doctor` does, as one Measurement of kind "doctor" whose rows are findings."""
     # local: the fingerprint is this machine's, so checks that read the machine itself (its disk) apply
     local = fingerprint is None if local is None else local
@@ -159,11 +192,12 @@ def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint
     record = Measurement.start("doctor", params={"tier": tier, "expect_gpus": expect_gpus,
                                                  "checkpoint_dir": checkpoint_dir, "measure": measure,
                                                  "cpus": cpus, "local": local, "since": since or "boot",
-                                                 "kernel_log": kernel_log_path},
+                                                 "kernel_log": kernel_log_path, "burn_s": burn_s},
                                machine=fingerprint)
     findings: list[Finding] = []
     measurements: dict[str, str] = {}
     load_samples: dict[int, dict[str, Any]] = {}
+    burn_result: dict[str, Any] | None = None
     has_gpu = bool(checks.gpu_devices(fingerprint))
     interrupted = False
     try:
@@ -182,6 +216,19 @@ def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint
                     if name == "matmul":
                         load_samples = _load_samples(outcome["record"])
                 findings += judge_measurement(name, outcome, fingerprint, checkpoint_dir)
+        if burn_s and local:
+            from mleng.doctor.burn import burn_findings
+
+            step(f"burn-in: {burn_s:.0f} s of bf16 matmuls on every GPU, results checked")
+            burn = run_burn_subprocess(burn_s)
+            if "error" in burn:
+                findings.append(inconclusive("burn_correctness", burn["error"]))
+            else:
+                burn_result = burn
+                findings += burn_findings(burn)
+        elif burn_s:
+            findings.append(checks.skipped("burn_correctness", "the burn-in runs on the machine itself, not on "
+                                           "another node's fingerprint"))
     except KeyboardInterrupt:
         interrupted = True
     step("checks")
@@ -217,6 +264,8 @@ def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint
     record.summary = {"verdict": worst(findings), "value": None, "unit": "", "counts": counts,
                       "measurements": measurements,
                       "handbook": sorted({h for f in findings if f.severity in ("fail", "warn") for h in f.handbook})}
+    if burn_result is not None:
+        record.summary["burn"] = burn_result
     if interrupted:
         from mleng import signals
 
