@@ -38,7 +38,7 @@ def test_identical_nodes_agree_on_everything():
     findings = compare_nodes(cluster_of(4))
     assert {f.severity for f in findings} == {"ok"}
     assert set(by_field(findings)) == {"driver", "cuda_driver", "torch", "cuda", "nccl", "gpu_model", "vbios",
-                                       "hca_firmware", "kernel"}
+                                       "hca_firmware", "os", "kernel"}
     assert by_field(findings)["vbios"].summary == "GPU VBIOS: 96.00.A5.00.1A on all 4 node(s)"
 
 

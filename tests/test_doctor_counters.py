@@ -200,3 +200,29 @@ def test_counter_and_config_checks_run_in_the_doctor(run_mleng):
     assert {"nvlink_errors", "pcie_replay", "ib_port", "persistence_mode", "ecc_mode", "mig_mode", "app_clocks",
             "fabric", "gpudirect_rdma"} <= checks
     assert result.returncode == 0 and record["summary"]["counts"]["warn"] == 0
+
+
+def test_host_swap_and_disk_space_on_recorded_and_modelled_proc_files(tmp_path):
+    from mleng.doctor import host
+
+    doctor = HERE / "fixtures" / "doctor"
+    assert [f.severity for f in host.check_swap(str(doctor / "proc_swaps_off_recorded.txt"))] == ["ok"]
+    on = host.check_swap(str(doctor / "proc_swaps_on.txt"))
+    assert on[0].severity == "warn" and "8.0 GiB, 1.0 GiB used" in on[0].summary
+    assert host.check_swap(str(tmp_path / "missing"))[0].severity == "inconclusive"
+    mounts = host.real_mounts(str(doctor / "proc_mounts_gpu_node.txt"))
+    # pseudo, memory-backed, overlay and network file systems (a hung NFS statfs blocks) are left out
+    assert [(m[1], m[2]) for m in mounts] == [("/", "ext4"), ("/boot/efi", "vfat"), ("/raid", "xfs")]
+    full = tmp_path / "mounts"
+    full.write_text(f"/dev/nvme0n1p1 {tmp_path} ext4 rw,relatime 0 0\n")
+    import os
+
+    real = os.statvfs(str(tmp_path))
+    fake = type("S", (), {"f_blocks": 1000, "f_bavail": 20, "f_frsize": real.f_frsize})()
+    original = host.os.statvfs
+    host.os.statvfs = lambda path: fake
+    try:
+        found = host.check_disk_space(str(full))
+    finally:
+        host.os.statvfs = original
+    assert found[0].severity == "fail" and "98% full" in found[0].summary

@@ -47,6 +47,7 @@ FIELDS: tuple[tuple[str, str, Callable[[dict[str, Any]], Any], str], ...] = (
      f"{len(_devices(fp))}x {_spread([d.get('name') for d in _devices(fp)])}", "warn"),
     ("vbios", "GPU VBIOS", lambda fp: _spread([d.get("vbios") for d in _devices(fp)]), "warn"),
     ("hca_firmware", "HCA firmware", _hca_firmware, "warn"),
+    ("os", "OS release", lambda fp: (fp.get("os") or {}).get("name"), "warn"),
     ("kernel", "Linux kernel", lambda fp: (fp.get("os") or {}).get("kernel"), "warn"),
 )
 WHY = {

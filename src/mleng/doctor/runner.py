@@ -245,7 +245,10 @@ def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint
     for check in (*COUNTER_CHECKS.values(), *CONFIG_CHECKS.values(), check_firmware_within_node):
         findings += check(fingerprint)
     if local:
+        from mleng.doctor.host import check_disk_space, check_swap
+
         findings += checks.check_disk(checkpoint_dir)
+        findings += check_swap() + check_disk_space()
     else:
         host = (fingerprint.get("host") or {}).get("hostname") or "the fingerprint's host"
         findings.append(checks.skipped("checkpoint_disk", f"not checked: the disk is read from this machine, "
