@@ -12,7 +12,7 @@ import pytest
 
 from mleng.distributed.launch import free_port
 from mleng.errors import UsageError
-from mleng.measure.collectives import OPS, op_names, percentile, size_sweep
+from mleng.measure.collectives import OPS, op_names, size_sweep, time_stats
 from mleng.measure.sizes import parse_size
 from mleng.results.store import Store
 
@@ -54,7 +54,9 @@ def test_sizes_ops_and_stats():
     assert op_names(["allreduce,broadcast", "all_reduce"]) == ["all_reduce", "broadcast"]
     with pytest.raises(UsageError, match="unknown op"):
         op_names("all_shuffle")
-    assert percentile([1, 2, 3, 4, 5], 50) == 3 and percentile([1, 2], 99) == pytest.approx(1.99)
+    stats = time_stats([1e-6, 2e-6, 3e-6, 4e-6, 5e-6])
+    assert stats["time_us"] == pytest.approx(3) and stats["time_p99_us"] == pytest.approx(4.96)
+    assert stats["time_cv"] == pytest.approx(2 ** 0.5 / 3)
 
 
 def check_rows(rows, n):

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-import statistics
-import time
 from typing import Any, Callable, Iterator
 
 from mleng.errors import CheckFailed, UsageError
@@ -190,25 +187,13 @@ def op_names(text: list[str] | str) -> list[str]:
 # Statistics
 # ---------------------------------------------------------------------------------------------
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    pos = (len(ordered) - 1) * q / 100
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
 def time_stats(samples_s: list[float]) -> dict[str, float]:
-    mean = statistics.fmean(samples_s)
-    return {
-        "time_us": statistics.median(samples_s) * 1e6,
-        "time_min_us": min(samples_s) * 1e6,
-        "time_max_us": max(samples_s) * 1e6,
-        "time_p99_us": percentile(samples_s, 99) * 1e6,
-        "time_cv": (statistics.pstdev(samples_s) / mean) if mean > 0 and len(samples_s) > 1 else 0.0,
-    }
+    """A row's time fields, from the one stats type of mleng.measure.timing."""
+    from mleng.measure.timing import TimingStats
+
+    s = TimingStats.from_samples(samples_s)
+    return {"time_us": s.median_s * 1e6, "time_min_us": s.min_s * 1e6, "time_max_us": s.max_s * 1e6,
+            "time_p99_us": s.p99_s * 1e6, "time_cv": s.cv}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,37 +222,6 @@ def timing_note(settings: Settings, uses_graph: bool) -> str:
     return (f"non-blocking: {settings.iters} iterations {how}, one synchronization at the end; the loop runs "
             f"{settings.repeats} times and the stats are over the {settings.repeats} loop averages, "
             f"each the slowest rank's")
-
-
-class _Timer:
-    """Host clock on CPU; CUDA events on GPU (never a host clock around asynchronous work)."""
-
-    def __init__(self, device: str):
-        import torch
-
-        self.cuda = device.startswith("cuda")
-        self.torch = torch
-        if self.cuda:
-            self.start_event = torch.cuda.Event(enable_timing=True)
-            self.end_event = torch.cuda.Event(enable_timing=True)
-
-    def start(self) -> None:
-        if self.cuda:
-            self.start_event.record()
-        else:
-            self._t0 = time.perf_counter()
-
-    def stop(self) -> float:
-        """Seconds since start(), waiting for the device to finish."""
-        if self.cuda:
-            self.end_event.record()
-            self.end_event.synchronize()
-            return self.start_event.elapsed_time(self.end_event) / 1e3
-        return time.perf_counter() - self._t0
-
-    def sync(self) -> None:
-        if self.cuda:
-            self.torch.cuda.synchronize()
 
 
 def _run_once(op: Op, inp, out, rank: int, n: int) -> None:
@@ -334,7 +288,9 @@ def measure_size(job, op: Op, size_bytes: int, settings: Settings) -> dict[str, 
         return torch.randint(-100, 100, (numel,), dtype=dtype, device=device, generator=generator)
 
     inp, out = op.buffers(count, n, new)
-    timer = _Timer(device)
+    from mleng.measure.timing import Stopwatch
+
+    timer = Stopwatch(device)
     for _ in range(settings.warmup):
         _run_once(op, inp, out, rank, n)
     timer.sync()

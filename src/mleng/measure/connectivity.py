@@ -136,6 +136,8 @@ def pair_bandwidth(job, members: list[int], size_bytes: int, iters: int, warmup:
     """
     import torch
 
+    from mleng.measure.timing import Stopwatch
+
     dist = _dist()
     k = len(members)
     position = {rank: i for i, rank in enumerate(members)}
@@ -143,7 +145,7 @@ def pair_bandwidth(job, members: list[int], size_bytes: int, iters: int, warmup:
     buf = torch.randn(count, dtype=torch.float32, device=job.device)
     times = torch.zeros(k * k, dtype=torch.float64, device=job.device)
     flag = torch.ones(1, device=job.device)
-    cuda = job.device.startswith("cuda")
+    timer = Stopwatch(job.device)
     _progress(job, "pairs")
     for src in members:
         for dst in members:
@@ -156,16 +158,13 @@ def pair_bandwidth(job, members: list[int], size_bytes: int, iters: int, warmup:
                 peer = dst if job.rank == src else src
                 for i in range(warmup + iters):
                     if i == warmup:
-                        if cuda:
-                            torch.cuda.synchronize()
-                        t0 = time.perf_counter()
+                        timer.sync()
+                        timer.start()
                     if job.rank == src:
                         _wait(dist.isend(buf, peer), job.timeout_s)
                     else:
                         _wait(dist.irecv(buf, peer), job.timeout_s)
-                if cuda:
-                    torch.cuda.synchronize()
-                times[position[src] * k + position[dst]] = (time.perf_counter() - t0) / iters
+                times[position[src] * k + position[dst]] = timer.stop() / iters
             except Exception as exc:
                 raise _fail(job, exc, f"send/recv between rank {src} and rank {dst}") from None
     try:

@@ -31,7 +31,9 @@ class TimingStats:
     max_s: float
     p10_s: float
     p90_s: float
+    p99_s: float
     iqr_s: float
+    cv: float            # population standard deviation / mean
     iters: int
 
     @classmethod
@@ -39,15 +41,19 @@ class TimingStats:
         if not samples_s:
             raise ValueError("TimingStats needs at least one sample")
         ordered = sorted(float(s) for s in samples_s)
+        mean = math.fsum(ordered) / len(ordered)
+        variance = math.fsum((s - mean) ** 2 for s in ordered) / len(ordered)
         return cls(
             samples_s=tuple(float(s) for s in samples_s),
             median_s=quantile(ordered, 0.5),
-            mean_s=math.fsum(ordered) / len(ordered),
+            mean_s=mean,
             min_s=ordered[0],
             max_s=ordered[-1],
             p10_s=quantile(ordered, 0.1),
             p90_s=quantile(ordered, 0.9),
+            p99_s=quantile(ordered, 0.99),
             iqr_s=quantile(ordered, 0.75) - quantile(ordered, 0.25),
+            cv=math.sqrt(variance) / mean if mean > 0 and len(ordered) > 1 else 0.0,
             iters=len(ordered),
         )
 
@@ -70,6 +76,39 @@ def quantile(ordered: Sequence[float], q: float) -> float:
     low = math.floor(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+class Stopwatch:
+    """One timed region: CUDA events on a CUDA device (never a host clock around asynchronous work),
+    the host clock elsewhere. For loops that time() cannot express, such as collectives where every
+    rank times its own part and the slowest rank's time is kept."""
+
+    def __init__(self, device: Any):
+        import torch
+
+        self.torch = torch
+        self.cuda = str(device).startswith("cuda")
+        if self.cuda:
+            self.start_event = torch.cuda.Event(enable_timing=True)
+            self.end_event = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.cuda:
+            self.start_event.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        """Seconds since start(), after the device finished the work queued meanwhile."""
+        if self.cuda:
+            self.end_event.record()
+            self.end_event.synchronize()
+            return self.start_event.elapsed_time(self.end_event) / 1e3
+        return time.perf_counter() - self._t0
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
 
 
 def as_device(device: Any):
