@@ -220,3 +220,30 @@ def test_breakdown_gives_each_instant_to_one_thing_and_finds_exposed_communicati
     assert seconds["gemm"] == 10 and seconds["communication_exposed"] == 2 and seconds["elementwise_other"] == 2
     assert seconds["idle"] == 6 and seconds["communication_total"] == 7
     assert sum(seconds[k] for k in ("gemm", "attention", "elementwise_other", "communication_exposed", "idle")) == 20
+
+
+def test_the_gpu_breakdown_reads_kernel_events_inside_the_step_window():
+    """from_profile's CUDA branch on events shaped as torch.profiler's (FunctionEvent) are."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from mleng.step.breakdown import from_profile
+
+    def event(name, start, end, device=DeviceType.CPU, thread=1):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device,
+                               thread=thread, self_cpu_time_total=end - start)
+
+    cuda = DeviceType.CUDA
+    events = [event("mleng.step", 0, 1000), event("mleng.step", 1000, 2000), event("mleng.data", 0, 50),
+              event("aten::mm", 10, 20), event("cudaLaunchKernel", 20, 25),
+              event("sm90_xmma_gemm_bf16bf16", 100, 700, cuda), event("flash_fwd_kernel", 700, 900, cuda),
+              event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 600, 1100, cuda),
+              event("vectorized_elementwise_kernel", 1200, 1500, cuda),
+              event("sm90_xmma_gemm_late", 2500, 2600, cuda)]  # after the window: not counted
+    b = from_profile(events, "cuda")
+    us = {k: round(v * 1e6) for k, v in b["seconds"].items()}
+    assert us == {"gemm": 600, "attention": 200, "elementwise_other": 300, "communication_exposed": 200,
+                  "idle": 700, "communication_total": 500}
+    assert b["steps"] == 2 and b["window_s"] == pytest.approx(0.002) and b["data_host_s"] == pytest.approx(5e-5)
+    assert b["source"] == "4 GPU kernels"

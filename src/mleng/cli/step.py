@@ -319,8 +319,10 @@ def render(record) -> str:
         else:
             fields.append(("MAMFU", f"none: {s.get('mamf_note')}"))
         if s.get("hfu") is not None:
-            fields.append(("HFU", f"{_pct(s['hfu'])} (recomputation counted)"
+            fields.append(("HFU", f"{_pct(s['hfu'])} (recomputation counted: {_si(main['hardware'], 'FLOP')}/token)"
                            + (f"; book 8N: {_pct(s['hfu_book'])}" if s.get("conventions_differ") else "")))
+        elif s.get("activation_checkpointing"):
+            fields.append(("HFU", f"inconclusive (no peak); hardware FLOPs {_si(main['hardware'], 'FLOP')}/token"))
     memory = s.get("memory") or {}
     if "peak_allocated_bytes" in memory:
         text = (f"peak allocated {_bytes(memory['peak_allocated_bytes'])}, reserved "

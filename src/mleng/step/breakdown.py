@@ -88,7 +88,7 @@ def from_profile(events, device_type: str) -> dict[str, Any]:
     start, end, steps, step_thread = _window(events)
     data_us = sum(e.time_range.end - e.time_range.start for e in events if e.name == DATA_MARK)
     if device_type == "cuda":
-        kernels = [e for e in events if _is_device_event(e)]
+        kernels = [e for e in events if _is_device_event(e) and e.time_range.end > start and e.time_range.start < end]
         if not kernels:
             raise ValueError("the profile holds no GPU kernels (CUPTI unavailable?)")
         seconds = attribute(((e.time_range.start, e.time_range.end, classify(e.name)) for e in kernels), start, end)

@@ -39,9 +39,11 @@ class SyntheticTokens:
     def batch(self, step: int, first: int, count: int, global_batch: int):
         import torch
 
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, self.vocab_size, (global_batch,), generator=generator)[first:first + count]
-        tokens = (starts.to(self.device)[:, None] + self._positions[None, :]) % self.vocab_size
+        # Drawn on the device: a host-to-device copy here would stall the host at every micro-batch.
+        generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, self.vocab_size, (global_batch,), generator=generator,
+                               device=self.device)[first:first + count]
+        tokens = (starts[:, None] + self._positions[None, :]) % self.vocab_size
         return tokens[:, :-1], tokens[:, 1:]
 
 

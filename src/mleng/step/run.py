@@ -286,14 +286,14 @@ def _train(opts: StepOptions, launch, job, device, state: RankState, progress: P
         state.phase = "timed"
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        monitor = _start_monitor(device) if rank == 0 else None
+        monitor = _start_monitor(device, state.identity.get("uuid")) if rank == 0 else None
         try:
             for i in range(opts.warmup, total):
                 _timed_step(step_fn, i, state, device, job, progress, total)
         finally:
             if rank == 0:
                 state.gpu_monitor = _stop_monitor(monitor)
-            state.memory = _memory(device)
+            state.memory = _memory(device, state.identity.get("uuid"))
         if opts.profile_steps:
             state.phase = "profile"
             _profile(step_fn, total, opts.profile_steps, device, state, opts.trace_path if rank == 0 else None)
@@ -426,7 +426,7 @@ def _profile(step_fn, first: int, count: int, device, state: RankState, trace_pa
             state.info["trace_error"] = str(exc)
 
 
-def _memory(device) -> dict[str, Any]:
+def _memory(device, uuid: str | None) -> dict[str, Any]:
     import resource
 
     import torch
@@ -437,20 +437,17 @@ def _memory(device) -> dict[str, Any]:
                     "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
                     "device_total_bytes": int(torch.cuda.get_device_properties(device).total_memory),
                     "window": "timed steps (peak statistics reset after warm-up)"})
-        out.update(_nvml_memory(device))
+        out.update(_nvml_memory(device, uuid))
     return out
 
 
-def _nvml_memory(device) -> dict[str, Any]:
+def _nvml_memory(device, uuid: str | None) -> dict[str, Any]:
     """NVML's used memory of this GPU: every process on it and the CUDA context, unlike the allocator's."""
     try:
         import pynvml
 
-        from mleng.measure.matmul import nvml_uuid
-
         pynvml.nvmlInit()
         try:
-            uuid = nvml_uuid(device)
             handle = (pynvml.nvmlDeviceGetHandleByUUID(uuid) if uuid
                       else pynvml.nvmlDeviceGetHandleByIndex(device.index or 0))
             info = pynvml.nvmlDeviceGetMemoryInfo(handle)
@@ -461,16 +458,14 @@ def _nvml_memory(device) -> dict[str, Any]:
         return {"nvml_error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__}
 
 
-def _start_monitor(device):
+def _start_monitor(device, uuid: str | None):
     if device.type != "cuda":
         return None
     import torch
 
     from mleng.measure.gpu_monitor import GpuMonitor
-    from mleng.measure.matmul import nvml_uuid
 
-    monitor = GpuMonitor(uuid=None if getattr(torch.version, "hip", None) else nvml_uuid(device),
-                         index=device.index)
+    monitor = GpuMonitor(uuid=None if getattr(torch.version, "hip", None) else uuid, index=device.index)
     monitor.start()
     return monitor
 
@@ -597,6 +592,11 @@ def _summarize(record, opts: StepOptions, state: RankState, job, launch, device,
             "hfu": ratio(hardware[DEFAULT_CONVENTION], peak) if opts.checkpointing else None,
             "hfu_book": ratio(hardware["book"], peak) if opts.checkpointing else None,
         })
+        if summary["mamfu"] is not None and summary["mamfu"] > 1.0:
+            # Not a ceiling then: the MAMF search was cut short or disturbed. Said, not hidden or clipped.
+            summary["mamf_note"] = ((summary["mamf_note"] + "; ") if summary["mamf_note"] else "") + (
+                f"MAMFU above 100%: this step's matmuls ran faster than that MAMF run found (stop: "
+                f"{mamf.get('stop_reason')}), so it is no ceiling; measure again with `mleng mamf --max-seconds 120`")
         rows.append({"phase": "timed", "tokens_per_s_per_device": summary["tokens_per_s_per_device"],
                      "mfu": summary["mfu"], "mamfu": summary["mamfu"],
                      "tflops_per_device": summary["tflops_per_device"][DEFAULT_CONVENTION],
