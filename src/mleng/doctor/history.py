@@ -94,8 +94,10 @@ def history_findings(findings: list[Finding], fp: dict[str, Any], store_path=Non
                           measured=measured, gpu_uuid=uuid))
     if not out:
         seen = sum(1 for uuid in current if past.get(uuid))
-        out.append(ok("gpu_history", f"{len(current)} GPU(s) by UUID: no check failed on them in this run"
-                      + (f" or in their last {runs - 1} stored run(s) ({seen} with earlier runs)" if seen else
-                         "; no earlier doctor run of them in the store"),
+        out.append(ok("gpu_history", f"{len(current)} GPU(s) by UUID: none failed a check of its state (clocks, "
+                      "ECC, links, counters, settings) in this run"
+                      + (f" or in its last {runs - 1} stored run(s) ({seen} with earlier runs)" if seen else
+                         "; no earlier doctor run of them in the store") + " (kernel-log Xids are not counted: "
+                      "each run reads them again until the node reboots)",
                       measured={"gpus": len(current), "with_history": seen}))
     return out

@@ -201,13 +201,14 @@ def classify_xid(code: int, codes_on_gpu: set[int], detail: str = "") -> tuple[s
             return "ok", "recovery action back to None"
         wanted = change.group(4) if change else "an action"
         return "fail", f"the driver asks for {wanted} before the GPU is trusted again"
+    # (the description is already in the finding's text; the verdict says what NVIDIA's catalog asks for)
     if action in HARDWARE_ACTIONS:
-        return "fail", f"{catalog['description']}; NVIDIA: {action}"
+        return "fail", f"NVIDIA's action {action}"
     if action in ("RESTART_APP", "IGNORE", ""):
-        return "warn", (f"{catalog['description']}; NVIDIA: {action or 'no action given'}"
+        return "warn", (f"NVIDIA's action {action or 'none given'}"
                         + (f", then {catalog['investigatory']}" if catalog.get("investigatory") else "")
                         + "; once is noise, a repeat on the same GPU is the hardware")
-    return "warn", f"{catalog['description']}; NVIDIA: {action}"
+    return "warn", f"NVIDIA's action {action}"
 
 
 def gpu_index_by_pci(fp: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
