@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -82,9 +83,10 @@ class Client:
     def call(self, name: str, arguments: dict | None = None, progress=None):
         return self._run(self.session.call_tool, name, arguments or {}, progress_callback=progress)
 
-    def start(self, name: str, arguments: dict):
+    def start(self, name: str, arguments: dict, progress=None):
         """The call sent now; a concurrent.futures.Future of its result."""
-        return self.portal.start_task_soon(self.session.call_tool, name, arguments)
+        return self.portal.start_task_soon(partial(self.session.call_tool, progress_callback=progress), name,
+                                           arguments)
 
     def ok(self, name: str, arguments: dict | None = None) -> dict:
         result = self.call(name, arguments)
@@ -361,8 +363,12 @@ def test_a_measurement_reports_progress_and_stops_at_the_cap(world):
 
     with connect(world["home"], world["entries"], "--allow-measure", "--measure-cap", "10") as client:
         started = time.monotonic()
-        result = client.call("mamf", {"device": "cpu", "max_seconds": 60, "max_dim": 512, "no_store": True},
-                             progress=on_progress)
+        pending = client.start("mamf", {"device": "cpu", "max_seconds": 60, "max_dim": 512, "no_store": True},
+                               progress=on_progress)
+        time.sleep(1)
+        second = client.call("membw", {"size": "16MiB"})   # one measurement at a time; the server stays up
+        assert second.is_error and "measurements run one at a time" in second.content[0].text
+        result = pending.result(timeout=CALL_TIMEOUT_S)
         elapsed = time.monotonic() - started
         assert not result.is_error, result.content[0].text
         record = result.structured_content

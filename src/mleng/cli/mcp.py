@@ -25,6 +25,11 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise NotAvailableError(f"mleng mcp needs the MCP SDK, which cannot be imported ({exc})",
                                 hint="pip install 'mleng[mcp]'") from None
+    import sys
+
+    if sys.stdin.isatty():
+        print("mleng mcp: serving MCP on stdin/stdout; an agent client starts it (mleng mcp --help says how); "
+              "Ctrl-D or Ctrl-C ends it", file=sys.stderr)
     from mleng.mcp.server import serve
 
     serve(allow_measure=args.allow_measure, measure_cap_s=args.measure_cap)

@@ -85,8 +85,15 @@ class MlengServer:
                 for tool in TOOLS]
         return self._tools
 
+    def warm(self) -> None:
+        try:
+            self.tool_list()
+            self.index.get()
+        except Exception:  # noqa: BLE001 - the call that needs it says what is wrong
+            pass
+
     async def on_list_tools(self, ctx, params) -> types.ListToolsResult:
-        return types.ListToolsResult(tools=self.tool_list())
+        return types.ListToolsResult(tools=await self._in_worker(self.tool_list))
 
     async def on_call_tool(self, ctx, params: types.CallToolRequestParams) -> types.CallToolResult:
         tool = BY_NAME.get(params.name)
@@ -230,8 +237,8 @@ async def run_child(ctx, tool: ToolSpec, argv: list[str], cap_s: float, single_n
         while True:
             await anyio.sleep(PROGRESS_EVERY_S)
             elapsed = time.monotonic() - started
-            last = next((line for line in reversed(stderr_lines) if line.strip()), "")
-            message = f"mleng {' '.join(tool.command)}: {elapsed:.0f} s (stopped at {cap_s:.0f} s)"
+            last = next((line for line in reversed(stderr_lines) if line.strip() and not line[0].isspace()), "")
+            message = f"mleng {' '.join(tool.command)}: {elapsed:.0f} s of at most {cap_s:.0f} s"
             await ctx.session.report_progress(round(elapsed, 1), cap_s, message + (f"; {last[:200]}" if last else ""))
 
     try:
@@ -301,6 +308,9 @@ def serve(allow_measure: bool = False, measure_cap_s: float = DEFAULT_MEASURE_CA
                     on_read_resource=mleng.on_read_resource)
 
     async def main() -> None:
+        # While the client does its handshake: the tool list, the parsers and the handbook index, which the
+        # first calls need (a failure here is the first call's to report).
+        mleng.worker.submit(mleng.warm)
         async with stdio_server() as (read_stream, write_stream):
             await server.run(read_stream, write_stream, server.create_initialization_options())
 
