@@ -67,7 +67,8 @@ class StepOptions:
                 "activation_checkpointing": self.checkpointing, "optimizer": "AdamW", "lr": self.lr,
                 "betas": [0.9, 0.95], "weight_decay": 0.1, "max_grad_norm": MAX_GRAD_NORM, "seed": self.seed,
                 "tokens": self.tokens, "tokens_dtype": self.tokens_dtype if self.tokens else None,
-                "mamf": self.mamf, "timeout_s": self.timeout_s, "world_size": world_size}
+                "mamf": self.mamf, "timeout_s": self.timeout_s, "world_size": world_size,
+                "warmup_min_s_on_gpu": WARMUP_MIN_S}
 
 
 def validate(options: StepOptions) -> None:
@@ -115,7 +116,7 @@ def precheck(options: StepOptions, world_size: int, local_ranks: int) -> StepOpt
     on_gpu = options.device != "cpu" and visible_gpu_count() > 0
     opts = options.resolved(on_gpu, world_size)
     if on_gpu:
-        free = _nvml_min_free_bytes()
+        free = _nvml_max_free_bytes()  # lenient here; each rank checks its own GPU exactly
         if free is not None:
             _refuse_unless_fits(opts.cfg, opts, world_size, free, "the emptiest GPU here", 1)
     else:
@@ -128,13 +129,13 @@ def precheck(options: StepOptions, world_size: int, local_ranks: int) -> StepOpt
     return opts
 
 
-def _nvml_min_free_bytes() -> int | None:
+def _nvml_max_free_bytes() -> int | None:
     try:
         import pynvml
 
         pynvml.nvmlInit()
         try:
-            return min(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free
+            return max(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free
                        for i in range(pynvml.nvmlDeviceGetCount()))
         finally:
             pynvml.nvmlShutdown()
@@ -281,15 +282,25 @@ def _train(opts: StepOptions, launch, job, device, state: RankState, progress: P
         model, step_fn = _build(opts, device, world, rank, data, global_batch, job)
         total = opts.warmup + opts.steps
         state.phase = "warmup"
-        for i in range(opts.warmup):
-            _timed_step(step_fn, i, state, device, job, progress, total)
+        index = 0
+        for index in range(opts.warmup):
+            _timed_step(step_fn, index, state, device, job, progress, total)
+        index = opts.warmup
+        if device.type == "cuda" and opts.warmup:
+            # A GPU's clock settles over a second or two of load: warm up at least that long after the first
+            # step (which compiles). Every rank takes the same decision from rank 0's clock, or they would
+            # run different numbers of collectives.
+            while _more_warmup(state, job):
+                _timed_step(step_fn, index, state, device, job, progress, total)
+                index += 1
+        state.info["warmup_steps"] = index
         state.phase = "timed"
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         monitor = _start_monitor(device, state.identity.get("uuid")) if rank == 0 else None
         try:
-            for i in range(opts.warmup, total):
-                _timed_step(step_fn, i, state, device, job, progress, total)
+            for i in range(index, index + opts.steps):
+                _timed_step(step_fn, i, state, device, job, progress, index + opts.steps)
         finally:
             if rank == 0:
                 state.gpu_monitor = _stop_monitor(monitor)
@@ -370,6 +381,23 @@ def _build(opts: StepOptions, device, world: int, rank: int, data, global_batch:
         return loss_sum
 
     return wrapped, step_fn
+
+
+WARMUP_MIN_S = 2.0  # on GPUs, warm-up after the first step lasts at least this long
+WARMUP_MAX_EXTRA = 200
+
+
+def _more_warmup(state: RankState, job) -> bool:
+    after_first = sum(s["time_s"] for s in state.steps[1:])
+    more = after_first < WARMUP_MIN_S and len(state.steps) < WARMUP_MAX_EXTRA
+    if job is not None and job.world_size > 1:
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(more)], device=job.device)
+        dist.broadcast(flag, src=0)
+        more = bool(flag.item())
+    return more
 
 
 def _timed_step(step_fn, index: int, state: RankState, device, job, progress: Progress | None, total: int) -> None:
@@ -582,7 +610,7 @@ def _summarize(record, opts: StepOptions, state: RankState, job, launch, device,
             "step_time_s": stats.to_dict(), "tokens_per_s": round(tokens_per_s, 2),
             "tokens_per_s_per_device": round(per_device, 2),
             "tokens_per_s_per_rank": round(tokens_per_s / world, 2),
-            "tflops_per_device": {k: round(v, 4) for k, v in achieved.items()},
+            "tflops_per_device": {k: _sig(v) for k, v in achieved.items()},
             "peak_tflops": peak, "peak_note": peak_note,
             "mfu": ratio(achieved[DEFAULT_CONVENTION], peak), "mfu_book": ratio(achieved["book"], peak),
             "mfu_inconclusive": None if peak else f"no sourced dense peak: {peak_note}",
@@ -629,6 +657,11 @@ def _summarize(record, opts: StepOptions, state: RankState, job, launch, device,
     record.finish(status, error)
 
 
+def _sig(value: float, digits: int = 6) -> float:
+    """Six significant digits: a CPU's 0.0019 TFLOPS keeps its precision, an H200's 612.345 too."""
+    return float(f"{value:.{digits}g}")
+
+
 def _slowest_per_step(ranks: list[dict[str, Any]], phase: str) -> list[dict[str, Any]]:
     """A step of the job lasts as long as its slowest rank; steps that some rank did not finish are dropped."""
     per_rank = [[s for s in r.get("steps") or [] if s["phase"] == phase] for r in ranks]
@@ -665,5 +698,4 @@ def _mamf_ceiling(ranks: list[dict[str, Any]], dtype: str, state: RankState):
     if not found:
         return None, "no MAMF"
     slowest = min(found, key=lambda m: m["tflops"])
-    note = f"the slowest of {len(found)} devices" if len(found) > 1 else ""
-    return slowest, note
+    return slowest, (f"the slowest of {len(found)} devices" if len(found) > 1 else None)
