@@ -1,23 +1,25 @@
 """Benchmark: `mleng step` on one GPU, side by side with the peer users would otherwise use, on the same card in
 one sitting.
 
-Part a (the issue's side-by-side): an 8B-shaped model cut to 4 layers, seq 8192, bf16, micro-batch 1, run by
-mleng step (plain and FSDP2 on one GPU, compile off and on) and by Hugging Face transformers' LlamaForCausalLM
-built from the same config (random init, no download; compile off and on), every run its own process, timed by
-the same timer (mleng.measure.timing.time_fn, one CUDA-event pair per step) over the same steps, with the same
-optimizer (fused AdamW), the same synthetic tokens and the same FLOP formula for MFU. A `mleng mamf` run first
-(stored in $OUT/home) gives every mleng step run its MAMFU, matched by the GPU's UUID.
-Part b: the 1b preset (seq 4096, micro-batch 2) plain and FSDP2, compile off and on, and the 8B-shaped model with
-activation checkpointing (HFU).
-torchtitan is run where it is installed; 0.3.0 needs torchdata, torch_checkpointing, spmd_types and datasets
-besides torch, so where it is absent the output says so.
+The issue's side-by-side is parts a and c: an 8B-shaped model cut to 4 layers, seq 8192, bf16, micro-batch 1.
+Part a: a `mleng mamf` run first (stored in $OUT/home, so every later run gets its MAMFU, matched by the GPU's
+UUID), then mleng step plain and FSDP2 on one GPU, compile off and on. Part c: Hugging Face transformers'
+LlamaForCausalLM built from the same config (random init, no download), compile off and on. Every run is its
+own process, timed by the same timer (mleng.measure.timing.time_fn, one CUDA-event pair per step) over the
+same number of steps after warm-up, with the same optimizer (fused AdamW, clipping), the same synthetic
+tokens and the same FLOP formula for MFU. Part b: the 1b preset (seq 4096, micro-batch 2) plain and FSDP2,
+compile off and on, and the 8B-shaped model with activation checkpointing (HFU).
+torchtitan is reported where it is installed; 0.3.0 needs torchdata, torch_checkpointing, spmd_types and
+datasets besides torch, so where it is absent the output says so and it is not run.
 
-    PYTHONPATH=src python3 bench/step_h200.py --out $OUT --part a      # about 7 minutes on an H200
+    PYTHONPATH=src python3 bench/step_h200.py --out $OUT --part a      # about 5 minutes on an H200
+    PYTHONPATH=src python3 bench/step_h200.py --out $OUT --part c      # about 4 minutes; prints a and c together
     PYTHONPATH=src python3 bench/step_h200.py --out $OUT --part b      # about 6 minutes
     PYTHONPATH=src python3 bench/step_h200.py --out /tmp/x --cpu-smoke # the same code path on a CPU, tiny preset
 
-Writes $OUT/step_h200_<part>.json (every run's full record or peer result) and step_h200_<part>_log.txt, and
-prints a table. Peers are benchmark-only dependencies, never mleng's.
+Each part writes $OUT/step_h200_<part>.json (every run's full record or peer result, saved after each run)
+and step_h200_<part>_log.txt, and prints one table of every part found in $OUT. Peers are benchmark-only
+dependencies, never mleng's.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def print_table(rows: list[dict]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="folder for the JSON and the log (created)")
-    parser.add_argument("--part", choices=["a", "b"], default="a")
+    parser.add_argument("--part", choices=["a", "b", "c"], default="a")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny preset on the CPU: checks this script")
     parser.add_argument("--timeout", type=float, default=300.0, help="per run (default 300 s)")
     parser.add_argument("--mamf-seconds", type=float, default=60.0)
@@ -180,15 +182,15 @@ def main() -> int:
                                                str(args.mamf_seconds), "--json"], args.out, args.part,
                                       args.timeout, env) | {"impl": "mleng mamf"})
                 save()
-            shape = PART_A
             for parallel in ("none", "fsdp"):
                 for compile_on in (False, True):
                     label = f"8b-4l-{parallel}-{'compiled' if compile_on else 'eager'}"
-                    runs.append(mleng_step(label, shape, ["--parallel", parallel, "--compile",
-                                                          "on" if compile_on else "off"], args, env))
+                    runs.append(mleng_step(label, PART_A, ["--parallel", parallel, "--compile",
+                                                           "on" if compile_on else "off"], args, env))
                     save()
+        elif args.part == "c":
             for compile_on in (False, True):
-                runs.append(hf_peer(f"8b-4l-hf-{'compiled' if compile_on else 'eager'}", shape, compile_on,
+                runs.append(hf_peer(f"8b-4l-hf-{'compiled' if compile_on else 'eager'}", PART_A, compile_on,
                                     args, env))
                 save()
         else:
@@ -205,16 +207,27 @@ def main() -> int:
     except KeyboardInterrupt:
         print("interrupted: the runs so far are kept", file=sys.stderr)
     save()
-    rows = [headline(r) for r in runs if r["impl"] in ("mleng step", "HF LlamaForCausalLM")]
+    every = runs if args.cpu_smoke else _all_parts(args.out)
+    rows = [headline(r) for r in every if r["impl"] in ("mleng step", "HF LlamaForCausalLM")]
     print_table(rows)
-    ours = [r["tokens_per_s"] for r in rows if r["impl"] == "mleng" and r["tokens_per_s"] and not r["ac"]]
-    peers = [r["tokens_per_s"] for r in rows if r["impl"] == "HF" and r["tokens_per_s"]]
+    side_by_side = [r for r in rows if r["label"].startswith("8b-4l-") and not r["ac"]] or rows
+    ours = [r["tokens_per_s"] for r in side_by_side if r["impl"] == "mleng" and r["tokens_per_s"]]
+    peers = [r["tokens_per_s"] for r in side_by_side if r["impl"] == "HF" and r["tokens_per_s"]]
     if ours and peers:
-        print(f"best mleng step / best peer tokens/s per GPU: {max(ours):.0f} / {max(peers):.0f} = "
+        print(f"best mleng step / best peer, tokens/s per GPU: {max(ours):.0f} / {max(peers):.0f} = "
               f"{max(ours) / max(peers):.3f}x")
     print(f"torchtitan: {torchtitan_status()}")
     print(f"written: {out_file}")
     return 0
+
+
+def _all_parts(out_dir: Path) -> list[dict]:
+    runs = []
+    for part in ("a", "c", "b"):
+        path = out_dir / f"step_h200_{part}.json"
+        if path.exists():
+            runs.extend(json.loads(path.read_text())["runs"])
+    return runs
 
 
 def _has_mamf(home: Path) -> bool:
