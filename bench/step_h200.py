@@ -346,7 +346,7 @@ def _peer_hf(args) -> dict:
     return {"transformers": transformers.__version__, "torch": torch.__version__, "device": identity["name"],
             "parameters_hf": n_params, "parameters_mleng": param_count(cfg).total, "seq": seq, "micro_batch": micro,
             "steps": steps, "warmup": warmup, "step_time_s": stats.to_dict(), "tokens_per_s": tokens_per_s,
-            "tflops": achieved, "peak_tflops": peak, "peak_note": peak_note,
+            "tflops": achieved, "peak_tflops": peak, "theoretical_source": peak_note,
             "mfu": ratio(achieved["palm"], peak), "mfu_book": ratio(achieved["book"], peak),
             "mamf": mamf, "mamfu": ratio(achieved["palm"], mamf["tflops"] if mamf else None),
             "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,

@@ -306,10 +306,10 @@ def render(record) -> str:
         fields.append(("achieved", f"{achieved['palm']:.4g} TFLOPS per {per}"
                        + (f" (book: {achieved['book']:.4g})" if s.get("conventions_differ") else "")))
         if s.get("mfu") is not None:
-            fields.append(("MFU", f"{_pct(s['mfu'])} of {s['peak_tflops']:g} TFLOPS ({s['peak_note']})"
+            fields.append(("MFU", f"{_pct(s['mfu'])} of {s['peak_tflops']:g} TFLOPS ({s['theoretical_source']})"
                            + (f"; book: {_pct(s['mfu_book'])}" if s.get("conventions_differ") else "")))
         else:
-            fields.append(("MFU", f"inconclusive: {s.get('peak_note')}"))
+            fields.append(("MFU", f"inconclusive: {s.get('theoretical_source')}"))
         mamf = s.get("mamf")
         if mamf:
             fields.append(("MAMFU", f"{_pct(s['mamfu'])} of MAMF {mamf['tflops']:.4g} TFLOPS ({mamf['id']}, "
