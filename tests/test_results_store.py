@@ -165,6 +165,31 @@ def test_cli_compare_gives_ratio_per_row(run_mleng):
     assert comparison["rows"][0]["tflops_median_ratio"] == pytest.approx(1.5)
 
 
+def test_records_of_schema_1_in_a_store_are_listed_shown_and_compared_in_schema_2_names(run_mleng):
+    old = []
+    for value in (700.0, 770.0):
+        record = _measurement(value).to_dict()
+        record["schema"] = "mleng.measurement/1"
+        record["summary"]["spec_note"] = "h200-sxm (NVIDIA H200 SXM 141GB), dense bf16"
+        record["summary"]["gpu_monitor"] = {"sm_clock_mean_mhz": 1800.0}
+        record["rows"][0]["power_mean_w"] = 650.0
+        old.append(record)
+    with Store() as store:
+        for record in old:
+            store.save(record)
+    listed = json.loads(run_mleng("results", "list", "--json").stdout)["results"]
+    assert {r["summary"]["theoretical_source"] for r in listed} == {"h200-sxm (NVIDIA H200 SXM 141GB), dense bf16"}
+    shown = run_mleng("results", "show", old[0]["id"], "--json")
+    assert shown.returncode == 0, shown.stderr
+    record = json.loads(shown.stdout)
+    assert record["schema"] == SCHEMA == "mleng.measurement/2"
+    assert "spec_note" not in record["summary"] and record["summary"]["gpu_monitor"] == {"sm_clock_mhz_mean": 1800.0}
+    assert record["rows"][0]["power_w_mean"] == 650.0
+    compared = run_mleng("results", "compare", old[0]["id"], old[1]["id"], "--json")
+    assert compared.returncode == 0, compared.stderr
+    assert json.loads(compared.stdout)["summary_ratio"] == pytest.approx(1.1)
+
+
 def test_schema_file_lists_every_record_field():
     from importlib import resources
 

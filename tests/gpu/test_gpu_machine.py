@@ -95,11 +95,13 @@ def test_gpu_monitor_samples_the_same_card_under_load(torch_cuda, device, nvml_g
     assert times == sorted(times) and monitor.window(since_s=times[-1]) == monitor.samples[-1:]
 
 
-def test_gpu_monitor_falls_back_to_the_index_for_an_unknown_uuid(torch_cuda):
+def test_gpu_monitor_refuses_an_unknown_uuid_instead_of_sampling_another_gpu(torch_cuda, uuid0):
+    from mleng.machine.nvml import torch_gpu_uuid
     from mleng.measure.gpu_monitor import GpuMonitor
 
     monitor = GpuMonitor(uuid="GPU-00000000-0000-0000-0000-000000000000", index=0)
-    assert monitor.available and monitor.name
+    assert not monitor.available and "uuid GPU-00000000" in monitor.reason
+    assert torch_gpu_uuid(0) == uuid0 and GpuMonitor(uuid=uuid0).available
 
 
 def test_env_cli_reports_the_gpu(run_mleng, torch_cuda, nvml_gpu0):

@@ -115,15 +115,14 @@ def check_memory(max_bytes: int, max_text: str, backend: str | None, nproc: int 
 
 def _gpu_free_bytes() -> int | None:
     """The least free memory of this host's GPUs, through NVML (no CUDA context in the launcher)."""
-    try:
-        import pynvml
+    from mleng.machine.nvml import nvml
 
-        pynvml.nvmlInit()
-        try:
-            return min(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free
-                       for i in range(pynvml.nvmlDeviceGetCount()))
-        finally:
-            pynvml.nvmlShutdown()
+    pynvml, _ = nvml()
+    if pynvml is None:
+        return None
+    try:
+        return min(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free
+                   for i in range(pynvml.nvmlDeviceGetCount()))
     except Exception:  # no NVML here: the ranks' own allocation errors remain
         return None
 

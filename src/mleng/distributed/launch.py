@@ -244,15 +244,14 @@ def visible_gpu_count() -> int:
                 break
             count += 1
         return count
-    try:
-        import pynvml
+    from mleng.machine.nvml import nvml
 
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetCount())
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no driver, no library: a CPU machine
+    pynvml, _ = nvml()
+    if pynvml is None:  # no driver, no library: a CPU machine
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:
         return 0
 
 

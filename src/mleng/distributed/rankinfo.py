@@ -27,14 +27,14 @@ def numa_nodes_of(cpus: set[int]) -> list[int]:
 def _gpu_fields(device: str) -> dict:
     import torch
 
+    from mleng.machine.nvml import torch_gpu_uuid, torch_pci_bus_id
+
     index = int(device.split(":")[1])
     props = torch.cuda.get_device_properties(index)
     fields = {"gpu_name": props.name, "gpu_uuid": None, "gpu_pci_bus_id": None, "gpu_numa_node": None}
-    uuid = getattr(props, "uuid", None)
-    if uuid is not None:
-        fields["gpu_uuid"] = f"GPU-{uuid}" if not str(uuid).startswith("GPU-") else str(uuid)
-    if hasattr(props, "pci_bus_id"):
-        bus_id = f"{getattr(props, 'pci_domain_id', 0):04x}:{props.pci_bus_id:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+    fields["gpu_uuid"] = torch_gpu_uuid(index)
+    bus_id = torch_pci_bus_id(index)
+    if bus_id is not None:
         fields["gpu_pci_bus_id"] = bus_id
         try:
             with open(f"/sys/bus/pci/devices/{bus_id}/numa_node") as f:

@@ -50,7 +50,7 @@ in every finding points at a bad node.
 
 ## Measuring the machine
 The measurement commands store each run (SQLite under `$MLENG_HOME`) and print the headline with
-the theoretical value and the ratio; `--json` gives the full record (`schema` "mleng.measurement/1",
+the theoretical value and the ratio; `--json` gives the full record (`schema` "mleng.measurement/2",
 `summary` {"value", "unit", "theoretical", "ratio"}, `rows` with units in field names).
 - `mleng env --json`: versions, GPUs, links, NUMA, NICs, relevant env vars (redacted).
 - `mleng doctor --json`: health checks and quick measurements; findings point at handbook ids.

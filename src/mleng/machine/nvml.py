@@ -431,6 +431,66 @@ def _fabric_info(pynvml: Any, handle: Any, unreadable: dict[str, str]) -> tuple[
     return int(info.state), int(info.status)
 
 
+_INITIALIZED: tuple[Any, str | None] | None = None
+
+
+def nvml() -> tuple[Any, str | None]:
+    """pynvml, initialised once per process, and None; or None and why NVML cannot be used here.
+
+    Every NVML user goes through this: one nvmlInit per process, never a shutdown while another
+    part of the process (the monitor thread of a run) still holds handles.
+    """
+    global _INITIALIZED
+    if _INITIALIZED is not None:
+        return _INITIALIZED
+    try:
+        import pynvml
+    except ImportError as exc:
+        return None, f"nvidia-ml-py is not installed ({exc}); pip install nvidia-ml-py"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        _INITIALIZED = (None, init_failure_reason(exc))
+    except OSError as exc:
+        _INITIALIZED = (None, f"NVML could not be loaded: {exc}")
+    else:
+        _INITIALIZED = (pynvml, None)
+    return _INITIALIZED
+
+
+def uuid_text(uuid: Any) -> str | None:
+    """A GPU UUID in NVML's spelling ('GPU-' + the hex groups), from torch's or NVML's form."""
+    if uuid is None or str(uuid) == "":
+        return None
+    text = str(uuid)
+    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+
+
+def torch_gpu_uuid(device: Any) -> str | None:
+    """The NVML UUID of the GPU that torch calls `device` (an index or torch.device): the same card
+    under any CUDA_VISIBLE_DEVICES, where indices differ between torch and NVML."""
+    import torch
+
+    return uuid_text(getattr(torch.cuda.get_device_properties(device), "uuid", None))
+
+
+def torch_pci_bus_id(device: Any) -> str | None:
+    """The PCI address of torch's `device` as NVML and sysfs write it: 0000:3b:00.0 (4-digit domain)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    if not hasattr(props, "pci_bus_id"):
+        return None
+    return f"{getattr(props, 'pci_domain_id', 0):04x}:{props.pci_bus_id:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+
+
+def gpu_handle(pynvml: Any, *, uuid: str | None = None, index: int | None = None) -> Any:
+    """The NVML handle of a GPU: by UUID when one is given (and then never another card), else by index."""
+    if uuid:
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid_text(uuid))
+    return pynvml.nvmlDeviceGetHandleByIndex(index or 0)
+
+
 def init_failure_reason(exc: BaseException) -> str:
     """The reason shown when NVML cannot start, e.g. 'NVML Shared Library Not Found (no NVIDIA driver...)'."""
     hint = NO_DRIVER_HINT.get(getattr(exc, "value", None))
@@ -441,46 +501,31 @@ def collect_gpus() -> dict[str, Any]:
     """The 'gpus' section: {'available', 'reason', 'driver', 'cuda_driver', 'nvml_version', 'count', 'devices'}."""
     section: dict[str, Any] = {"available": False, "reason": None, "driver": None, "cuda_driver": None,
                                "nvml_version": None, "count": 0, "devices": []}
-    try:
-        import pynvml
-    except ImportError as exc:
-        section["reason"] = f"nvidia-ml-py is not installed ({exc}); pip install nvidia-ml-py"
+    pynvml, reason = nvml()
+    if pynvml is None:
+        section["reason"] = reason
         return section
+    section["driver"] = _safe_text(pynvml.nvmlSystemGetDriverVersion, pynvml)
+    section["nvml_version"] = _safe_text(pynvml.nvmlSystemGetNVMLVersion, pynvml)
+    section["cuda_driver"] = cuda_version_string(_safe_text(pynvml.nvmlSystemGetCudaDriverVersion, pynvml))
     try:
-        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
     except pynvml.NVMLError as exc:
-        section["reason"] = init_failure_reason(exc)
+        section["reason"] = f"NVML could not count GPUs: {exc}"
         return section
-    except OSError as exc:
-        section["reason"] = f"NVML could not be loaded: {exc}"
-        return section
-    try:
-        section["driver"] = _safe_text(pynvml.nvmlSystemGetDriverVersion, pynvml)
-        section["nvml_version"] = _safe_text(pynvml.nvmlSystemGetNVMLVersion, pynvml)
-        section["cuda_driver"] = cuda_version_string(_safe_text(pynvml.nvmlSystemGetCudaDriverVersion, pynvml))
+    section["count"] = count
+    for index in range(count):
         try:
-            count = pynvml.nvmlDeviceGetCount()
+            raw = read_device_raw(pynvml, index)
+            raw["driver"] = section["driver"]
+            section["devices"].append(device_from_raw(raw))
         except pynvml.NVMLError as exc:
-            section["reason"] = f"NVML could not count GPUs: {exc}"
-            return section
-        section["count"] = count
-        for index in range(count):
-            try:
-                raw = read_device_raw(pynvml, index)
-                raw["driver"] = section["driver"]
-                section["devices"].append(device_from_raw(raw))
-            except pynvml.NVMLError as exc:
-                # typically 'GPU is lost': keep the index so the doctor can name the dead card
-                section["devices"].append({"index": index, "error": str(exc)})
-        section["available"] = count > 0
-        if count == 0:
-            section["reason"] = "NVML is working but reports no GPUs"
-        return section
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except pynvml.NVMLError:
-            pass
+            # typically 'GPU is lost': keep the index so the doctor can name the dead card
+            section["devices"].append({"index": index, "error": str(exc)})
+    section["available"] = count > 0
+    if count == 0:
+        section["reason"] = "NVML is working but reports no GPUs"
+    return section
 
 
 def _safe_text(fn: Callable[[], Any], pynvml: Any) -> Any:

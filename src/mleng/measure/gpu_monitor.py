@@ -7,32 +7,20 @@ import threading
 import time
 from typing import Any
 
+from mleng.machine.nvml import SLOWDOWN_REASONS, decode_clock_event_reasons, gpu_handle, nvml
+
 # A run whose mean SM clock is this far under the card's max clock is reported as running below max.
 BELOW_MAX_TOLERANCE = 0.02
 
-# NVML clock-event (throttle) reason bits -> short names. The bit values are NVML's own
-# (nvml.h, nvmlClocksEventReason*); listed here so a pynvml without a constant still decodes the mask.
-THROTTLE_REASONS = {
-    0x1: "gpu_idle",
-    0x2: "applications_clocks_setting",
-    0x4: "sw_power_cap",
-    0x8: "hw_slowdown",
-    0x10: "sync_boost",
-    0x20: "sw_thermal_slowdown",
-    0x40: "hw_thermal_slowdown",
-    0x80: "hw_power_brake",
-    0x100: "display_clock_setting",
-}
-# Reasons that mean the clock was held down by power or heat, not by an idle GPU or a setting.
-# The names are machine.nvml's (one spelling for the doctor and this sampler): a reason spelled
-# differently here would be dropped by the doctor's throttling check.
-LIMITING_REASONS = {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake"}
+# Reasons that mean the clock was held down by power or heat, not by an idle GPU or a setting: the
+# names and the decoder are machine.nvml's, the one NVML layer the doctor uses too.
+LIMITING_REASONS = SLOWDOWN_REASONS
 
 SAMPLE_FIELDS = ("sm_clock_mhz", "mem_clock_mhz", "power_w", "temperature_c")
 
 
 def decode_throttle_reasons(mask: int) -> list[str]:
-    return [name for bit, name in THROTTLE_REASONS.items() if mask & bit]
+    return decode_clock_event_reasons(mask) or []
 
 
 class GpuMonitor:
@@ -58,25 +46,14 @@ class GpuMonitor:
         self._open(index, uuid)
 
     def _open(self, index: int | None, uuid: str | None) -> None:
-        try:
-            import pynvml
-        except ImportError:
-            self.reason = "nvidia-ml-py (pynvml) is not installed"
+        pynvml, reason = nvml()
+        if pynvml is None:
+            self.reason = f"NVML unavailable: {reason}"
             return
         try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as exc:
-            self.reason = f"NVML unavailable: {exc}"
-            return
-        try:
-            self._handle = None
-            if uuid:
-                try:
-                    self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-                except pynvml.NVMLError:
-                    self._handle = None  # fall back to the index below
-            if self._handle is None:
-                self._handle = pynvml.nvmlDeviceGetHandleByIndex(index or 0)
+            # By UUID when the caller knows which card torch uses: under CUDA_VISIBLE_DEVICES torch's
+            # index is not NVML's, so a missing UUID is an unavailable monitor, never another GPU.
+            self._handle = gpu_handle(pynvml, uuid=uuid, index=index)
             name = pynvml.nvmlDeviceGetName(self._handle)
             self.name = name.decode() if isinstance(name, bytes) else name
             self.sm_clock_max_mhz = float(pynvml.nvmlDeviceGetMaxClockInfo(self._handle, pynvml.NVML_CLOCK_SM))

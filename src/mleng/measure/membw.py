@@ -106,20 +106,16 @@ def pcie_link(device_index: int) -> dict[str, Any]:
     The max values are what the GPU and slot negotiated as their best; the current ones drop
     at idle (power saving), so the theoretical rate uses the max.
     """
-    import torch
-
-    props = torch.cuda.get_device_properties(device_index)
     link: dict[str, Any] = {"gen": None, "width": None, "gen_current": None, "width_current": None,
                             "source": None}
-    try:
-        import pynvml
+    from mleng.machine.nvml import nvml, torch_pci_bus_id
 
-        pynvml.nvmlInit()
-    except Exception as exc:  # NVML missing or not loadable: say so, measure anyway
-        link["source"] = f"NVML unavailable: {exc}"
+    pynvml, reason = nvml()
+    if pynvml is None:  # NVML missing or not loadable: say so, measure anyway
+        link["source"] = f"NVML unavailable: {reason}"
         return link
     try:
-        bus_id = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        bus_id = torch_pci_bus_id(device_index)
         handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
         link["gen"] = pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle)
         link["width"] = pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle)
@@ -128,11 +124,6 @@ def pcie_link(device_index: int) -> dict[str, Any]:
         link["source"] = f"NVML {bus_id}"
     except Exception as exc:
         link["source"] = f"NVML could not read the PCIe link: {exc}"
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
     return link
 
 
@@ -407,9 +398,9 @@ def _gpu_monitor(dev):
 
     from mleng.measure.gpu_monitor import GpuMonitor
 
-    uuid = str(getattr(torch.cuda.get_device_properties(dev), "uuid", "") or "")
-    monitor = GpuMonitor(uuid=f"GPU-{uuid}" if uuid and not uuid.startswith("GPU-") else uuid or None,
-                         index=dev.index)
+    from mleng.machine.nvml import torch_gpu_uuid
+
+    monitor = GpuMonitor(uuid=torch_gpu_uuid(dev), index=dev.index)
     return monitor.start() if monitor.available else None
 
 

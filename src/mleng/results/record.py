@@ -12,7 +12,11 @@ from typing import Any
 from mleng.errors import StoreError, UsageError
 
 SCHEMA_NAME = "mleng.measurement"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# What changed from /1 to /2: one name per concept. Records of /1 in users' stores are read through
+# upgrade() below, so that every reader sees /2 names.
+V1_SUMMARY_RENAMES = {"spec_note": "theoretical_source", "reference": "theoretical_source"}
+V1_KEY_RENAMES = {"sm_clock_mean_mhz": "sm_clock_mhz_mean", "power_mean_w": "power_w_mean"}
 SCHEMA = f"{SCHEMA_NAME}/{SCHEMA_VERSION}"
 STATUSES = ("complete", "interrupted", "failed")
 
@@ -81,6 +85,7 @@ class Measurement:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Measurement":
         check_schema(data)
+        data = upgrade(data)
         missing = [k for k in ("id", "kind", "status") if k not in data]
         if missing:
             raise UsageError(f"measurement record lacks required fields: {', '.join(missing)}")
@@ -95,6 +100,29 @@ class Measurement:
     @property
     def host(self) -> str:
         return str(self.machine.get("host", {}).get("hostname") or os.uname().nodename)
+
+
+def _renamed(value: Any, renames: dict[str, str]) -> Any:
+    if isinstance(value, dict):
+        return {renames.get(k, k) if renames.get(k, k) not in value else k: _renamed(v, renames)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_renamed(v, renames) for v in value]
+    return value
+
+
+def upgrade(data: dict[str, Any]) -> dict[str, Any]:
+    """A record of an older schema in the current one's names (a copy; /2 records come back as they are)."""
+    version = int(str(data.get("schema", "")).partition("/")[2] or SCHEMA_VERSION)
+    if version >= SCHEMA_VERSION:
+        return data
+    out = dict(data)
+    summary = {V1_SUMMARY_RENAMES.get(k, k) if V1_SUMMARY_RENAMES.get(k, k) not in (data.get("summary") or {})
+               else k: v for k, v in (data.get("summary") or {}).items()}
+    out["summary"] = _renamed(summary, V1_KEY_RENAMES)
+    out["rows"] = _renamed(data.get("rows") or [], V1_KEY_RENAMES)
+    out["schema"] = SCHEMA
+    return out
 
 
 def check_schema(data: dict[str, Any]) -> None:

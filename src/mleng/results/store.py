@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from mleng.errors import StoreError, UsageError
-from mleng.results.record import SCHEMA_VERSION, Measurement, check_schema
+from mleng.results.record import SCHEMA_VERSION, Measurement, check_schema, upgrade
 
 APPLICATION_ID = 0x6D6C6E67  # "mlng": marks the file as ours
 STORE_FILENAME = "results.sqlite"
@@ -304,7 +304,7 @@ class Store:
         if not self.path.exists():
             return []
         conn = self.connect()
-        sql = "SELECT id, kind, status, started_at, host, summary FROM measurements"
+        sql = "SELECT id, kind, status, started_at, host, summary, schema FROM measurements"
         args: list[Any] = []
         if kind:
             sql += " WHERE kind = ?"
@@ -314,9 +314,10 @@ class Store:
             sql += " LIMIT ?"
             args.append(int(limit))
         rows = []
-        for id_, kind_, status, started_at, host, summary in conn.execute(sql, args):  # noqa: B007
+        for id_, kind_, status, started_at, host, summary, schema in conn.execute(sql, args):  # noqa: B007
+            summary = upgrade({"schema": schema, "summary": json.loads(summary)})["summary"]
             rows.append({"id": id_, "kind": kind_, "status": status, "started_at": started_at,
-                         "host": host, "summary": json.loads(summary)})
+                         "host": host, "summary": summary})
         return rows
 
     def resolve_id(self, measurement_id: str) -> str:

@@ -327,13 +327,9 @@ def theoretical_tflops(device, name: str, dtype: str, tf32: bool) -> tuple[float
 
 def nvml_uuid(device) -> str | None:
     """The GPU's UUID in NVML's spelling, so that the monitor samples the same card torch uses."""
-    import torch
+    from mleng.machine.nvml import torch_gpu_uuid
 
-    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
-    if uuid is None:
-        return None
-    text = str(uuid)
-    return text if text.startswith("GPU-") else f"GPU-{text}"
+    return torch_gpu_uuid(device)
 
 
 def run_all_devices(child_argv: Callable[[int], list[str]], count: int, env: dict[str, str] | None = None):
