@@ -142,19 +142,19 @@ def test_lint_parses_mleng_commands_and_source_urls(book):
     """An entry may not claim a mleng command, flag or capability that does not exist."""
     write_entry(book, "bad-flag", confirm=["mleng io --path /lustre/data   # bandwidth of the file system"])
     write_entry(book, "bad-command", fix=["mleng stragglers --all"])
-    write_entry(book, "bad-claim", confirm=["mleng doctor   # reports the Xid in its findings"])
+    write_entry(book, "bad-claim", confirm=["mleng doctor   # runs the DCGM diagnostics"])
     write_entry(book, "bad-url", sources=["https://github.com/pytorch/pytorch/pull/1748.patch"])
     write_entry(book, "good-entry", confirm=["mleng io /lustre/data   # bandwidth of the file system",
                                              "srun --ntasks-per-node=1 mleng doctor --json",
                                              "mleng hang dump --pid <torchrun PID>"],
-                fix=["Use `mleng mamf` for matmuls; the doctor does not read the kernel log (dmesg)."],
+                fix=["Use `mleng mamf` for matmuls; the doctor does not run DCGM (dcgmi diag -r 3)."],
                 sources=["https://github.com/pytorch/pytorch/issues/18879"])
     _, problems = lint(book)
     by_file = {Path(p.file).stem: str(p) for p in problems}
     assert set(by_file) == {"bad-flag", "bad-command", "bad-claim", "bad-url"}, by_file
     assert "unrecognized arguments: --path" in by_file["bad-flag"]
     assert "'stragglers' is not a mleng command" in by_file["bad-command"]
-    assert "does not read kernel logs" in by_file["bad-claim"]
+    assert "does not run DCGM" in by_file["bad-claim"]
     assert "not a GitHub thread" in by_file["bad-url"]
 
 

@@ -227,8 +227,8 @@ _PLACEHOLDER_RE = re.compile(r"<[^<>]*>")
 _NEGATION_RE = re.compile(r"\bnot\b|n't\b|\bno\b", re.I)
 # Capabilities an entry may be tempted to claim but mleng does not have: (command, words, why not).
 MISSING_CAPABILITIES = (
-    ("doctor", re.compile(r"\bxid|kernel log|dmesg|journalctl|\bsxid", re.I),
-     "mleng doctor does not read kernel logs (Xid lines); point at dmesg / journalctl -k instead"),
+    ("doctor", re.compile(r"\bdcgm|dcgmi|field diag|memtest", re.I),
+     "mleng doctor does not run DCGM diagnostics or a memory test; point at dcgmi diag instead"),
 )
 
 
