@@ -112,8 +112,14 @@ class MlengServer:
             return error_result(f"mleng {tool.command[0]}: internal error: {type(exc).__name__}: {exc}", 70)
 
     async def _call(self, ctx, tool: ToolSpec, arguments: dict) -> types.CallToolResult:
-        argv = await self._in_worker(to_argv, tool, arguments)
-        args = await self._in_worker(parse, tool, argv)
+        args, data = await self._in_worker(self._run_here, tool, arguments)
+        if data is None:
+            return await self._run_child(ctx, tool, args._argv, measure=tool.measures(args))
+        return json_result(data)
+
+    def _run_here(self, tool: ToolSpec, arguments: dict):
+        """(args, what --json prints) for a call this process answers; (args, None) for one a child must."""
+        args = parse(tool, to_argv(tool, arguments))
         if tool.measures(args) and not self.allow_measure:
             raise CommandError(
                 f"mleng {tool.command[0]}: error: {tool.name} measures this machine, and this server was started "
@@ -121,10 +127,8 @@ class MlengServer:
                 '(args ["mcp", "--allow-measure"]) to allow measurements'
                 + ("; or pass no_measure: true for the checks alone" if tool.name == "doctor" else ""), 2)
         if tool.child(args):
-            return await self._run_child(ctx, tool, args._argv, measure=tool.measures(args))
-        index = self.index if tool.uses_index else None
-        data = await self._in_worker(lambda: tool.call(args, index.get() if index else None))
-        return json_result(data)
+            return args, None
+        return args, tool.call(args, self.index.get() if tool.uses_index else None)
 
     async def _in_worker(self, fn, *args):
         import asyncio
