@@ -26,6 +26,10 @@ RESOURCE_PREFIX = "mleng://handbook/"
 DEFAULT_MEASURE_CAP_S = 300.0
 MACHINE_CAP_S = 120.0            # env and doctor --no-measure: reading this machine takes seconds
 STOP_GRACE_S = 30.0              # after SIGTERM at the cap, before SIGKILL: what a measurement needs to keep its rows
+# A cancelled call (or a client gone): SIGTERM, then this long at most before the server moves on. The child, in
+# its own session, still ends as after Ctrl-C and stores its rows; the SDK's client kills the server 2 s after
+# closing its stdin, so the server must not wait longer than that.
+CANCEL_GRACE_S = 1.5
 PROGRESS_EVERY_S = 1.0
 # What would make a child `mleng comm`/`check` a rank of the server's own launch, or spread it over an allocation.
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -263,7 +267,7 @@ async def run_child(ctx, tool: ToolSpec, argv: list[str], cap_s: float, single_n
     finally:
         if process.returncode is None:  # the call was cancelled: stop the measurement as Ctrl-C would
             with anyio.CancelScope(shield=True):
-                await _stop(process)
+                await _stop(process, CANCEL_GRACE_S, kill=False)
     text = stdout.decode("utf-8", "replace")
     notes = []
     if stopped_at_cap:
@@ -286,15 +290,15 @@ async def run_child(ctx, tool: ToolSpec, argv: list[str], cap_s: float, single_n
     return error_result(message, process.returncode or 1)
 
 
-async def _stop(process) -> None:
+async def _stop(process, grace_s: float = STOP_GRACE_S, kill: bool = True) -> None:
     """SIGTERM (the CLI's Ctrl-C path: rows kept, record printed), then SIGKILL to the whole process group."""
     try:
         process.send_signal(signal.SIGTERM)
     except ProcessLookupError:
         return
-    with anyio.move_on_after(STOP_GRACE_S):
+    with anyio.move_on_after(grace_s):
         await process.wait()
-    if process.returncode is None:
+    if process.returncode is None and kill:
         try:
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -321,4 +325,8 @@ def serve(allow_measure: bool = False, measure_cap_s: float = DEFAULT_MEASURE_CA
     try:
         anyio.run(main)
     finally:
+        # The client is gone. A signal from now on (the SDK's client sends SIGTERM 2 s after closing stdin) ends
+        # the process as by default, not as a KeyboardInterrupt in the middle of the interpreter's exit.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         mleng.worker.shutdown(wait=False, cancel_futures=True)
