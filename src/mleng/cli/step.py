@@ -116,7 +116,10 @@ def run(args: argparse.Namespace) -> int:
         if launch is not None and launch.rank != 0:
             return 2  # rank 0 says it, once for the job
         raise
-    if launch is None and world == 1:
+    from mleng.slurm.allocation import allocation_nodes
+
+    # Inside a multi-node salloc/sbatch, as comm and check do: srun over every node (run_as_ranks relaunches).
+    if launch is None and world == 1 and allocation_nodes() < 2:
         from mleng.distributed.launch import Launch, free_port
 
         single = Launch(mode="single", rank=0, world_size=1, local_rank=0, local_world_size=1,
