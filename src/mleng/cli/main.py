@@ -32,6 +32,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "hang": ("mleng.cli.hang", "hang forensics: py-spy dumps of every rank, flight-recorder analysis"),
     "step": ("mleng.cli.step", "a real training step measured: tokens/s, MFU vs peak and MAMF, memory, breakdown"),
     "mcp": ("mleng.cli.mcp", "serve the handbook and the measurements to AI agents over MCP (stdio)"),
+    "memory": ("mleng.cli.memory", "will it fit: per-GPU memory of a training or inference config, from the architecture"),
+    "plan": ("mleng.cli.plan", "is it communication-bound: DDP/ZeRO/FSDP traffic at measured busbw vs compute time"),
 }
 
 

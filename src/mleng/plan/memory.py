@@ -1,0 +1,741 @@
+"""Per-GPU memory of a training or inference config, estimated from the architecture: will it fit.
+
+Training is modelled as the timeline of one steady step (the book's anatomy, `formulas-and-upgrade-framework.md`
+section 5.6, made exact where it can be): the forward pass saves activations layer by layer, the head saves what its
+loss needs, the head's backward adds the logits' gradients, each block's backward frees its saved tensors while its
+weight gradients arrive, and the optimizer step holds weights, gradients and states together. The peak is the
+largest of those moments. Weights, gradients and optimizer states are counted exactly (bytes per parameter, sharded
+as ZeRO/FSDP/TP/PP shard them); what activations and the logits cost per token is a set of coefficients MEASURED by
+`mleng memory --calibrate` with torch's own memory tracking (data/activation_coefficients.toml), never typed in.
+
+Torch-free: every number here is arithmetic on the config and the data files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from mleng.errors import UsageError
+from mleng.plan.arch import Arch
+
+GIB = 2**30
+DATA_DIR = Path(__file__).parent / "data"
+COEFFICIENTS_FILE = DATA_DIR / "activation_coefficients.toml"
+DEVICES_FILE = DATA_DIR / "device_memory.toml"
+
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16",
+          "float32": "float32", "fp32": "float32"}
+OPTIMIZERS = ("adamw", "adamw8bit", "sgd", "adafactor")
+RECOMPUTE = ("none", "selective", "full")
+INFERENCE_WEIGHTS = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp4": 0.5 + 1 / 16}
+KV_DTYPES = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
+
+# Bytes per parameter of the optimizer states (the book, section 5.6: AdamW 8, 8-bit AdamW 2, SGD 4).
+# Adafactor is counted from the shapes instead (factored second moments): see optimizer_bytes().
+OPTIMIZER_BYTES = {"adamw": 8.0, "adamw8bit": 2.0, "sgd": 4.0}
+OPTIMIZER_NOTES = {
+    "adamw": "AdamW: two fp32 moments, 8 B/param (the book)",
+    "adamw8bit": "8-bit AdamW (bitsandbytes): two 8-bit moments, 2 B/param (the book; block scales not counted)",
+    "sgd": "SGD with momentum: one fp32 buffer, 4 B/param (the book)",
+    "adafactor": "Adafactor without momentum (torch.optim.Adafactor and HF defaults): factored second moments, "
+                 "a row and a column fp32 vector per matrix, whole fp32 moments for vectors; the book's 4 B/param counts a "
+                 "momentum buffer these defaults do not keep",
+}
+
+# The components of a fit (see fit_coefficients): what each measures, and the features it is linear in.
+# Token features are bytes per token per element of the feature; static ones bytes per parameter.
+LAYER_FEATURES = ("dim", "q_dim", "kv_dim", "ffn_dim", "n_heads", "layer_params")
+HEAD_FEATURES = ("vocab", "dim", "one", "output_params", "block_params")
+COMPONENTS = {
+    "saved_per_layer": ("what one block's forward leaves saved for its backward", LAYER_FEATURES),
+    "before_layers": ("what is saved before the first block (tokens, embedding output)", ("one", "dim")),
+    "head_forward": ("the head's forward above the last block's output (logits, their fp32 copy, log-softmax)",
+                     HEAD_FEATURES),
+    "head_saved": ("what the final norm, output projection and loss leave saved", HEAD_FEATURES),
+    "head_backward": ("the head's backward above the end of the forward pass (logits' gradients, output "
+                      "weight gradients)", HEAD_FEATURES),
+    "after_head": ("change from the end of the forward pass to the start of the last block's backward (head "
+                   "freed, its gradients kept, autocast's weight cache dropped)", HEAD_FEATURES),
+    "layer_backward": ("a block's backward above its start (recomputed activations, temporaries, the "
+                       "block's weight gradients as they arrive)", LAYER_FEATURES),
+    "backward_per_layer": ("change from one block's backward start to the next one's (its saved tensors freed, "
+                           "its weight gradients kept)", LAYER_FEATURES),
+}
+STATIC_FEATURES = ("layer_params", "output_params", "block_params")
+
+
+# ------------------------------------------------------------------------------------------ data files
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        return {}
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{path} is not valid TOML ({exc})") from None
+
+
+def load_coefficients(path: Path | None = None) -> dict[str, Any]:
+    return _read_toml(path or COEFFICIENTS_FILE)
+
+
+def coefficient_set(dtype: str, recompute: str, data: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
+    """The measured set for this dtype and recompute mode, and a line saying where it comes from."""
+    data = load_coefficients() if data is None else data
+    key_dtype = "bfloat16" if dtype == "float16" else dtype
+    key = f"{key_dtype}/{recompute}"
+    sets = data.get("sets") or {}
+    if key not in sets:
+        have = ", ".join(sorted(sets)) or "none"
+        raise UsageError(f"no measured activation coefficients for {key} (measured: {have})",
+                         hint=f"mleng memory --calibrate --dtype {key_dtype} --recompute {recompute}")
+    entry = sets[key]
+    meta = data.get("meta", {})
+    where = (f"activation coefficients {key} measured {entry.get('measured_at', meta.get('date', '?'))} on "
+             f"{entry.get('device', '?')} ({entry.get('machine', meta.get('machine', '?'))}) by "
+             f"`{entry.get('command', meta.get('command', 'mleng memory --calibrate'))}`; fit residual median "
+             f"{entry.get('fit', {}).get('median_abs_error_pct', '?')}%, max {entry.get('fit', {}).get('max_abs_error_pct', '?')}%")
+    if dtype == "float16":
+        where += "; float16 read as bfloat16 (same sizes)"
+    return entry, where
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    key: str
+    name: str
+    total_bytes: int
+    driver_reserved_bytes: int
+    source: str
+    sources: tuple[str, ...] = ()
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.total_bytes - self.driver_reserved_bytes
+
+
+def device_memory(gpu: str, usable_gib: float | None = None) -> DeviceMemory:
+    """What a process can have of this GPU: the device total NVML reports (recorded, with its source) less what
+    the driver already holds with no process running; the spec label only where no total is recorded."""
+    from mleng.specs import lookup_accelerator
+
+    acc = lookup_accelerator(gpu)
+    data = _read_toml(DEVICES_FILE)
+    sources = data.get("source", {})
+    entry = (data.get("device") or {}).get(acc.key)
+    defaults = data.get("defaults", {})
+    if usable_gib is not None:
+        if not usable_gib > 0:
+            raise UsageError(f"--usable-gib {usable_gib:g}: must be positive")
+        return DeviceMemory(acc.key, acc.name, int(usable_gib * GIB), 0, "given with --usable-gib")
+    reserved = defaults.get("idle_used_bytes", 0)
+    if entry:
+        total = int(entry["nvml_total_mib"]) * 2**20
+        short = "; ".join(sources.get(s, {}).get("short", s) for s in entry.get("sources", []))
+        titles = tuple(sources.get(s, {}).get("title", s) for s in entry.get("sources", []))
+        notes = [entry["note"]] if entry.get("note") else []
+        if entry.get("idle_used_bytes") is not None:
+            reserved = entry["idle_used_bytes"]
+        else:
+            notes.append(defaults.get("idle_used_note", ""))
+        text = f"NVML memory.total {total / GIB:.2f} GiB ({short}); the label says {acc.memory_gib:g} GB"
+        return DeviceMemory(acc.key, acc.name, total, int(reserved), "; ".join([text, *filter(None, notes)]), titles)
+    if not acc.memory_gib:
+        raise UsageError(f"{acc.name} has no memory size in mleng specs", hint="give --usable-gib")
+    return DeviceMemory(acc.key, acc.name, int(acc.memory_gib * GIB), int(reserved),
+                        f"the spec label {acc.memory_gib:g} GB read as GiB: no NVML total recorded for {acc.name} "
+                        "(totals run 0-7% off the label; --usable-gib overrides); "
+                        + defaults.get("idle_used_note", ""))
+
+
+def overheads() -> dict[str, Any]:
+    return _read_toml(DEVICES_FILE).get("overheads", {})
+
+
+# ------------------------------------------------------------------------------------------ training setup
+
+@dataclasses.dataclass
+class TrainSetup:
+    seq: int = 2048
+    micro_batch: int = 1
+    dtype: str = "bfloat16"
+    optimizer: str = "adamw"
+    zero: int = 0
+    fsdp: bool = False
+    gpus: int = 1
+    tp: int = 1
+    pp: int = 1
+    recompute: str = "none"
+    grad_accum: int | None = None     # micro-batches per step; PP keeps min(pp, this) in flight on stage 0
+    gpu: str | None = None
+    usable_gib: float | None = None
+    context_gib: float | None = None
+    nccl_gib: float | None = None
+    fragmentation: float | None = None
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def stage(self) -> int:
+        """ZeRO stage in effect (FSDP full sharding is stage 3)."""
+        return 3 if self.fsdp else self.zero
+
+
+def _positive_int(flag: str, value: Any, least: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise UsageError(f"{flag} {value}: must be an integer of at least {least}")
+
+
+def validate(arch: Arch, s: TrainSetup) -> TrainSetup:
+    """Refuse what cannot be laid out; returns the setup with its dtype spelled one way."""
+    for flag, value in (("--seq", s.seq), ("--micro-batch", s.micro_batch), ("--gpus", s.gpus), ("--tp", s.tp),
+                        ("--pp", s.pp)):
+        _positive_int(flag, value)
+    if s.grad_accum is not None:
+        _positive_int("--grad-accum", s.grad_accum)
+    if s.dtype not in DTYPES:
+        raise UsageError(f"--dtype {s.dtype}: known: bfloat16 (bf16), float16 (fp16), float32 (fp32)")
+    s.dtype = DTYPES[s.dtype]
+    if s.optimizer not in OPTIMIZERS:
+        raise UsageError(f"--optimizer {s.optimizer}: known: {', '.join(OPTIMIZERS)}")
+    if s.recompute not in RECOMPUTE:
+        raise UsageError(f"--recompute {s.recompute}: known: {', '.join(RECOMPUTE)}")
+    if isinstance(s.zero, bool) or s.zero not in (0, 1, 2, 3):
+        raise UsageError(f"--zero {s.zero}: ZeRO stages are 0, 1, 2 and 3")
+    if s.fsdp and s.zero not in (0, 3):
+        raise UsageError(f"--fsdp shards weights, gradients and states (ZeRO-3); it does not combine with --zero {s.zero}")
+    if arch.n_heads % s.tp:
+        raise UsageError(f"--tp {s.tp} does not divide the {arch.n_heads} attention heads of {arch.name}",
+                         hint="tensor parallelism splits whole heads: choose a divisor of the head count")
+    if not arch.mla and arch.n_kv_heads % s.tp and s.tp % arch.n_kv_heads:
+        raise UsageError(f"--tp {s.tp} and the {arch.n_kv_heads} key/value heads of {arch.name} do not divide "
+                         "each other", hint="choose a --tp that divides the key/value heads (or a multiple of them)")
+    if s.pp > arch.n_layers:
+        raise UsageError(f"--pp {s.pp} is more pipeline stages than the {arch.n_layers} layers of {arch.name}")
+    if s.gpus % (s.tp * s.pp):
+        raise UsageError(f"--gpus {s.gpus} is not a multiple of --tp {s.tp} x --pp {s.pp} = {s.tp * s.pp}",
+                         hint="GPUs = data-parallel replicas x tp x pp")
+    if s.fragmentation is not None and not 0 <= s.fragmentation < 1:
+        raise UsageError(f"--fragmentation {s.fragmentation:g}: a fraction of the allocated peak, 0 to below 1")
+    for flag, value in (("--context-gib", s.context_gib), ("--nccl-gib", s.nccl_gib)):
+        if value is not None and value < 0:
+            raise UsageError(f"{flag} {value:g}: cannot be negative")
+    return s
+
+
+# ------------------------------------------------------------------------------------------ the model
+
+def _dtype_bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def optimizer_bytes(arch: Arch, optimizer: str, params: float) -> tuple[float, str]:
+    """Optimizer state bytes for `params` parameters of this shape."""
+    if optimizer != "adafactor":
+        return OPTIMIZER_BYTES[optimizer] * params, OPTIMIZER_NOTES[optimizer]
+    # Factored: rows + cols per matrix. Per-parameter equivalent from the shapes (the embeddings and every
+    # projection are matrices; norms are vectors kept whole).
+    total = arch.params().total
+    matrices = arch.vocab_size + arch.dim  # embedding (and output)
+    per_layer = 4 * (arch.dim + arch.q_dim) + 3 * (arch.dim + arch.ffn_dim)
+    rows_cols = matrices * (1 if arch.tie_embeddings else 2) + arch.n_layers * per_layer
+    vectors = (2 * arch.n_layers + 1) * arch.dim
+    per_param = 4.0 * (rows_cols + vectors) / total
+    return per_param * params, OPTIMIZER_NOTES["adafactor"] + f" ({per_param:.4f} B/param for this shape)"
+
+
+def features(arch: Arch, tp: int = 1) -> dict[str, float]:
+    """The quantities activations are linear in, per GPU under tensor parallelism (Megatron's layout without
+    sequence parallelism: hidden-sized tensors replicated, heads, MLP width and vocabulary split)."""
+    moe_share = arch.moe_layers / arch.n_layers
+    ffn = (1 - moe_share) * arch.ffn_dim + moe_share * arch.active_ffn_dim(True)
+    params = arch.params()
+    matmul_layer = (params.layers - 2 * arch.dim * arch.n_layers) / arch.n_layers
+    return {"dim": arch.dim, "q_dim": arch.q_dim / tp, "kv_dim": max(arch.kv_dim / tp, arch.head_dim),
+            "ffn_dim": ffn / tp, "n_heads": arch.n_heads / tp, "layer_params": matmul_layer / tp,
+            "vocab": arch.vocab_size / tp, "one": 1.0, "output_params": arch.vocab_size * arch.dim / tp,
+            "block_params": matmul_layer * arch.n_layers / tp}
+
+
+def _apply(component: dict[str, float], feats: dict[str, float], tokens: float,
+           names: tuple[str, ...]) -> tuple[float, float, dict[str, float]]:
+    """(token-proportional bytes from non-vocab features, vocab bytes, static bytes by feature) of one component."""
+    act = vocab = 0.0
+    static: dict[str, float] = {}
+    for name in names:
+        c = float(component.get(name, 0.0))
+        if name in STATIC_FEATURES:
+            static[name] = c * feats[name]
+        elif name == "vocab":
+            vocab += c * feats[name] * tokens
+        else:
+            act += c * feats[name] * tokens
+    return act, vocab, static
+
+
+def _static_row(component: str, feature: str) -> str:
+    """Which table row a fitted static term belongs to: autocast's weight copies, or gradients."""
+    if feature == "block_params" or component in ("saved_per_layer", "head_saved", "head_forward"):
+        return "weights"
+    return "gradients"
+
+
+@dataclasses.dataclass
+class Phase:
+    name: str
+    weights: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    logits: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.logits
+
+    def add(self, row: str, value: float) -> None:
+        setattr(self, row, getattr(self, row) + value)
+
+    def copy(self, name: str) -> "Phase":
+        return dataclasses.replace(self, name=name)
+
+
+def _stage_phases(arch: Arch, s: TrainSetup, coeffs: dict[str, Any], layers: int, first: bool, last: bool,
+                  in_flight: int) -> tuple[list[Phase], dict[str, Any]]:
+    """The moments of one step on one GPU of a pipeline stage holding `layers` blocks."""
+    feats = features(arch, s.tp)
+    tokens = s.micro_batch * s.seq
+    p = arch.params()
+    dp, stage = s.dp, s.stage
+    layer_params = p.layers / arch.n_layers / s.tp
+    here = layers * layer_params + (p.embedding / s.tp if first else 0) + p.final_norm * last \
+        + ((0 if p.tied and first else p.output / s.tp) if last else 0)
+    if p.tied and last and not first:
+        here += p.output / s.tp  # the last stage holds its own copy of a tied output projection
+    w_shard = dp if stage >= 3 else 1
+    g_shard = dp if stage >= 2 else 1
+    o_shard = dp if stage >= 1 else 1
+    weights = 4.0 * here / w_shard
+    opt_total, opt_note = optimizer_bytes(arch, s.optimizer, here)
+    optimizer = opt_total / o_shard
+    grads_full = 4.0 * here / g_shard
+    grad_layer = 4.0 * layer_params / g_shard
+    rope = 2 * 4.0 * s.seq * arch.head_dim  # the cos and sin tables, fp32 buffers
+    compute_bytes = _dtype_bytes(s.dtype)
+
+    C = coeffs["components"]
+    notes = {"parameters_here": here, "optimizer_note": opt_note}
+    base = Phase("start of the step", weights=weights + rope, optimizer=optimizer)
+    fsdp_gathered = 0.0
+    if stage >= 3 and dp > 1:
+        # FSDP2 per block: this block's parameters gathered in the compute dtype plus the next one prefetched,
+        # and the root (embeddings, head) while it runs; freed after each forward (reshard_after_forward).
+        fsdp_gathered = 2 * compute_bytes * layer_params
+        root = (p.embedding if first else 0) + (p.output if last and not p.tied else 0)
+        fsdp_gathered += compute_bytes * root / s.tp
+        notes["fsdp_gathered_bytes"] = fsdp_gathered
+
+    fsdp = stage >= 3 and dp > 1
+    feats = dict(feats, block_params=layers * layer_params)
+
+    def comp(name: str) -> tuple[float, float, dict[str, float]]:
+        """(activations, logits, static by feature) of one component for one micro-batch."""
+        act, vocab, static = _apply(C[name], feats, tokens, COMPONENTS[name][1])
+        if fsdp and name != "layer_backward":
+            # Under FSDP the compute-dtype weights are the gathered ones (counted above), not autocast copies;
+            # the gradients it keeps are counted from the sharding below.
+            static = {}
+        return act, vocab, static
+
+    def add(ph: Phase, name: str, act: float, vocab: float, static: dict[str, float], times: float = 1.0) -> None:
+        ph.add("activations", act * times)
+        ph.add("logits", vocab * times)
+        for feature, value in static.items():
+            ph.add(_static_row(name, feature), value)
+
+    fwd = base.copy("end of the forward pass")
+    if first:
+        a, v, st = comp("before_layers")
+        add(fwd, "before_layers", a + sum(st.values()), v, {}, in_flight)
+    sa, sv, sst = comp("saved_per_layer")
+    # weight copies once per block, activations per block and micro-batch in flight
+    add(fwd, "saved_per_layer", sa, sv, {k: x * layers for k, x in sst.items()}, layers * in_flight)
+    fwd.add("weights", fsdp_gathered)
+    phases = [fwd]
+    top = fwd.copy("the last block's backward")
+    if last:
+        head_fw = fwd.copy("the head's forward (logits)")
+        add(head_fw, "head_forward", *comp("head_forward"))
+        phases.append(head_fw)
+        a, v, st = comp("head_saved")
+        add(fwd, "head_saved", a, v, st)
+        add(top, "head_saved", a, v, st)
+        head = fwd.copy("the head's backward (logits' gradients)")
+        add(head, "head_backward", *comp("head_backward"))
+        phases.append(head)
+        add(top, "after_head", *comp("after_head"))
+        if fsdp:
+            top.add("gradients", 4.0 * (p.output / s.tp) / dp)
+    add(top, "layer_backward", *comp("layer_backward"))
+    phases.append(top)
+    if layers > 1:
+        # From the last block's backward to the first one's, each block frees what its forward saved (one
+        # micro-batch's) and keeps its weight gradients: measured unsharded, then divided as ZeRO-2/3 shard them.
+        bottom = top.copy("the first block's backward")
+        a, v, st = comp("backward_per_layer")
+        net = sum(st.values())
+        if fsdp:
+            net = grad_layer
+        elif g_shard > 1:
+            net -= 4.0 * layer_params * (1 - 1 / g_shard)
+        add(bottom, "backward_per_layer", a, v, {"layer_params": net * (layers - 1)}, layers - 1)
+        phases.append(bottom)
+    end = base.copy("the optimizer step")
+    end.add("gradients", grads_full)
+    if stage >= 2 and dp > 1:
+        end.add("gradients", 4.0 * layer_params * (dp - 1) / dp)  # one block's unsharded gradients in flight
+    phases.append(end)
+    notes.update(layers=layers, first=first, last=last, in_flight=in_flight)
+    return phases, notes
+
+
+def estimate_training(arch: Arch, setup: TrainSetup, coeff_data: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The per-GPU estimate: the peak phase with its rows, every phase, the fit on a named GPU, the assumptions."""
+    s = validate(arch, setup)
+    coeffs, coeff_source = coefficient_set(s.dtype, s.recompute, coeff_data)
+    L = arch.n_layers
+    per_stage = math.ceil(L / s.pp)
+    in_flight = min(s.pp, s.grad_accum or s.pp) if s.pp > 1 else 1
+    stages = []
+    if s.pp == 1:
+        stages.append(("the only stage", *_stage_phases(arch, s, coeffs, L, True, True, 1)))
+    else:
+        last_layers = L - per_stage * (s.pp - 1)
+        stages.append(("pipeline stage 0 (embeddings, most micro-batches in flight)",
+                       *_stage_phases(arch, s, coeffs, per_stage, True, False, in_flight)))
+        stages.append((f"pipeline stage {s.pp - 1} (output projection and loss)",
+                       *_stage_phases(arch, s, coeffs, max(last_layers, 1), False, True, 1)))
+    best = None
+    for label, phases, notes in stages:
+        peak = max(phases, key=lambda ph: ph.total)
+        if best is None or peak.total > best[1].total:
+            best = (label, peak, phases, notes)
+    stage_label, peak, phases, notes = best
+    ov = overheads()
+    context = (s.context_gib if s.context_gib is not None else float(ov.get("cuda_context_gib", 0.5))) * GIB
+    nccl = (s.nccl_gib if s.nccl_gib is not None else float(ov.get("nccl_gib", 1.5))) * GIB if s.gpus > 1 else 0.0
+    frag = s.fragmentation if s.fragmentation is not None else float(ov.get("fragmentation", 0.05))
+    allocated = peak.total
+    fragmentation = frag * allocated
+    total = allocated + context + nccl + fragmentation
+    rows = [
+        {"row": "weights", "bytes": peak.weights},
+        {"row": "gradients", "bytes": peak.gradients},
+        {"row": "optimizer states", "bytes": peak.optimizer},
+        {"row": "activations", "bytes": peak.activations},
+        {"row": "logits", "bytes": peak.logits},
+        {"row": "allocated peak (the above)", "bytes": allocated},
+        {"row": "CUDA context + NCCL buffers", "bytes": context + nccl},
+        {"row": "fragmentation margin", "bytes": fragmentation},
+        {"row": "total per GPU", "bytes": total},
+    ]
+    for r in rows:
+        r["gib"] = round(r["bytes"] / GIB, 3)
+        r["bytes"] = int(round(r["bytes"]))
+    result: dict[str, Any] = {
+        "mode": "training", "model": arch.name, "model_source": arch.source, "attention": arch.attention_kind,
+        "parameters": arch.params().total,
+        "setup": {**dataclasses.asdict(s), "dp": s.dp, "zero_stage": s.stage},
+        "peak_phase": peak.name, "peak_stage": stage_label if s.pp > 1 else None,
+        "rows": rows, "allocated_peak_bytes": int(allocated), "total_bytes": int(total),
+        "phases": [{"phase": ph.name, "gib": round(ph.total / GIB, 3)} for ph in phases],
+        "coefficients": coeff_source,
+        "assumptions": _training_assumptions(arch, s, notes, context, nccl, frag, ov, coeff_source, in_flight),
+    }
+    if s.gpu:
+        dev = device_memory(s.gpu, s.usable_gib)
+        result["gpu"] = _fit(dev, total)
+        result["gpu"]["longest_seq"] = longest(arch, s, coeff_data, "seq", dev)
+        result["gpu"]["largest_micro_batch"] = longest(arch, s, coeff_data, "micro_batch", dev)
+    return result
+
+
+def _fit(dev: DeviceMemory, need: float) -> dict[str, Any]:
+    return {"name": dev.name, "key": dev.key, "usable_bytes": dev.usable_bytes,
+            "usable_gib": round(dev.usable_bytes / GIB, 2), "device_total_gib": round(dev.total_bytes / GIB, 2),
+            "driver_reserved_gib": round(dev.driver_reserved_bytes / GIB, 2), "usable_source": dev.source,
+            "usable_sources": list(dev.sources),
+            "fits": need <= dev.usable_bytes, "headroom_gib": round((dev.usable_bytes - need) / GIB, 2)}
+
+
+def _total_for(arch: Arch, s: TrainSetup, coeff_data) -> float:
+    t = dataclasses.replace(s, gpu=None)
+    return estimate_training(arch, t, coeff_data)["total_bytes"]
+
+
+def longest(arch: Arch, s: TrainSetup, coeff_data, field: str, dev: DeviceMemory) -> int | None:
+    """The largest --seq (or --micro-batch) with which the total still fits; None when even 1 does not."""
+    limit = dev.usable_bytes
+
+    def fits(n: int) -> bool:
+        return _total_for(arch, dataclasses.replace(s, **{field: n}), coeff_data) <= limit
+
+    if not fits(1):
+        return None
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 2**26:
+            return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _training_assumptions(arch: Arch, s: TrainSetup, notes: dict[str, Any], context: float, nccl: float,
+                          frag: float, ov: dict[str, Any], coeff_source: str, in_flight: int) -> list[str]:
+    out = []
+    if s.dtype == "float32":
+        out.append("float32 training: fp32 weights 4 B/param and fp32 gradients 4 B/param (--dtype)")
+    else:
+        out.append(f"{s.dtype} mixed precision as mleng step runs it: fp32 master weights 4 B/param, autocast's "
+                   f"{s.dtype} weight copies held from forward to backward (measured: about 2 B/param), fp32 "
+                   "gradients 4 B/param: the book's 18 B/param with AdamW (--dtype)")
+    out.append(notes["optimizer_note"] + " (--optimizer)")
+    if s.stage == 0:
+        out.append(f"no sharding: every GPU holds all weights, gradients and states of its part (--zero, --fsdp)")
+    else:
+        what = {1: "optimizer states", 2: "optimizer states and gradients",
+                3: "weights, gradients and optimizer states"}[s.stage]
+        out.append(f"{'FSDP full sharding' if s.fsdp else f'ZeRO-{s.stage}'}: {what} divided over the {s.dp} "
+                   "data-parallel ranks (--zero, --fsdp, --gpus)")
+        if s.stage >= 3 and s.dp > 1:
+            out.append("FSDP/ZeRO-3 gathers one block's parameters in the compute dtype and prefetches the next; "
+                       "the embeddings and the head are gathered while they run")
+        if s.stage >= 2 and s.dp > 1:
+            out.append("one block's gradients are unsharded until their reduce-scatter")
+    if s.tp > 1:
+        out.append(f"tensor parallel {s.tp} as Megatron-LM lays it out (column/row-parallel projections, "
+                   "vocab-parallel embedding, output and loss), without sequence parallelism: hidden-sized "
+                   "activations replicated on every TP rank (--tp)")
+    if s.pp > 1:
+        out.append(f"pipeline parallel {s.pp} with a 1F1B schedule: the first stage holds {in_flight} micro-batches "
+                   f"of activations in flight (min of --pp and --grad-accum); the busier of the first and last "
+                   "stage is shown (--pp, --grad-accum)")
+    out.append(coeff_source + " (`mleng memory --calibrate`)")
+    out.append({"none": "no activation recompute (--recompute)",
+                "full": "full recompute: every block's input saved, its activations recomputed in its backward "
+                        "(torch.utils.checkpoint, as `mleng step --activation-checkpointing`) (--recompute)",
+                "selective": "selective recompute: matmul and attention outputs saved, norms, rotary, SiLU and "
+                             "products recomputed (torch's selective activation checkpointing) (--recompute)"}
+               [s.recompute])
+    out.append("attention through a fused kernel (SDPA flash/memory-efficient): no seq x seq score matrix kept")
+    out.append("eager mode: torch.compile saves fewer activations (the estimate is then high)")
+    if arch.moe:
+        out.append(f"mixture of experts: activations counted as a dense MLP as wide as {arch.experts_per_token} "
+                   "routed experts plus the shared ones (not calibrated on an MoE model: dispatch buffers and "
+                   "router scores not counted)")
+    if arch.mla:
+        out.append("MLA attention counted as attention with queries and keys of qk_nope+qk_rope width "
+                   "(not calibrated on an MLA model)")
+    out.append(f"CUDA context {context / GIB:.2f} GiB ({ov.get('cuda_context_note', 'assumed')}) (--context-gib)")
+    if s.gpus > 1:
+        out.append(f"NCCL buffers and communicator {nccl / GIB:.2f} GiB ({ov.get('nccl_note', 'assumed')}) "
+                   "(--nccl-gib)")
+    out.append(f"fragmentation margin {frag * 100:.0f}% of the allocated peak ({ov.get('fragmentation_note', 'assumed')}) "
+               "(--fragmentation)")
+    out.extend(arch.notes)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ inference
+
+@dataclasses.dataclass
+class InferSetup:
+    weights: str = "bf16"
+    kv_dtype: str = "bf16"
+    tp: int = 1
+    gpus: int | None = None
+    max_batched_tokens: int = 8192
+    gpu: str | None = None
+    usable_gib: float | None = None
+    context_gib: float | None = None
+    nccl_gib: float | None = None
+    fragmentation: float | None = None
+
+
+def estimate_inference(arch: Arch, s: InferSetup) -> dict[str, Any]:
+    """Weights at the serving dtype, the KV cache per token, a forward pass's working memory, and how many tokens
+    of KV cache fit beside them."""
+    if s.weights not in INFERENCE_WEIGHTS:
+        raise UsageError(f"--weights {s.weights}: known: {', '.join(INFERENCE_WEIGHTS)}")
+    if s.kv_dtype not in KV_DTYPES:
+        raise UsageError(f"--kv-dtype {s.kv_dtype}: known: {', '.join(KV_DTYPES)}")
+    _positive_int("--tp", s.tp)
+    _positive_int("--max-batched-tokens", s.max_batched_tokens)
+    if arch.n_heads % s.tp:
+        raise UsageError(f"--tp {s.tp} does not divide the {arch.n_heads} attention heads of {arch.name}")
+    gpus = s.gpus or s.tp
+    if gpus != s.tp:
+        raise UsageError(f"--gpus {gpus} with --tp {s.tp}: one replica serves on its tp GPUs here",
+                         hint="give --tp N (or --gpus equal to it)")
+    p = arch.params()
+    wbytes = INFERENCE_WEIGHTS[s.weights]
+    # Embeddings and the output projection stay at 16 bits in the serving engines' fp8/fp4 schemes.
+    embed = p.embedding + (0 if p.tied else p.output)
+    body = p.total - embed
+    weights = (body * wbytes + embed * 2.0) / s.tp
+    kv_bytes = KV_DTYPES[s.kv_dtype]
+    if arch.mla:
+        kv_heads_note = "MLA: the compressed latent (kv_lora_rank) and the rotary key (qk_rope_head_dim) per layer, " \
+                        "the same on every TP rank"
+        per_token = arch.n_layers * arch.kv_elements_per_token_per_layer() * kv_bytes
+    else:
+        heads_here = max(arch.n_kv_heads // s.tp, 1)
+        per_token = arch.n_layers * 2 * heads_here * arch.head_dim * kv_bytes
+        kv_heads_note = (f"{arch.attention_kind}: keys and values of {heads_here} key/value head(s) per GPU"
+                         + (" (replicated: fewer key/value heads than TP ranks)" if arch.n_kv_heads < s.tp else ""))
+    tokens = s.max_batched_tokens
+    feats = features(arch, s.tp)
+    # A forward pass keeps nothing for a backward: working memory is a few live hidden- and MLP-sized tensors of
+    # the batch, and fp32 logits of the sequences being sampled (at most one per token).
+    workspace = tokens * 2.0 * (4 * feats["dim"] + 3 * feats["ffn_dim"] + feats["q_dim"] + 2 * feats["kv_dim"])
+    workspace += min(tokens, 1024) * 4.0 * feats["vocab"]
+    ov = overheads()
+    context = (s.context_gib if s.context_gib is not None else float(ov.get("cuda_context_gib", 0.5))) * GIB
+    nccl = (s.nccl_gib if s.nccl_gib is not None else float(ov.get("nccl_gib", 1.5))) * GIB if s.tp > 1 else 0.0
+    frag = s.fragmentation if s.fragmentation is not None else float(ov.get("fragmentation", 0.05))
+    fixed = weights + workspace
+    rows = [{"row": "weights", "bytes": weights}, {"row": "forward working memory", "bytes": workspace},
+            {"row": "CUDA context + NCCL buffers", "bytes": context + nccl},
+            {"row": "fragmentation margin", "bytes": frag * fixed}]
+    for r in rows:
+        r["gib"] = round(r["bytes"] / GIB, 3)
+        r["bytes"] = int(round(r["bytes"]))
+    result: dict[str, Any] = {
+        "mode": "inference", "model": arch.name, "attention": arch.attention_kind, "parameters": p.total,
+        "setup": dataclasses.asdict(s), "rows": rows,
+        "kv_cache_bytes_per_token": per_token, "kv_cache_mb_per_token": round(per_token / 1e6, 4),
+        "fixed_bytes": int(fixed + context + nccl + frag * fixed),
+        "assumptions": [
+            f"weights {s.weights} ({wbytes:g} B/param{', one fp8 scale per 16 values (NVFP4)' if s.weights == 'fp4' else ''}); "
+            "embeddings and output projection at 16 bits (--weights)",
+            f"KV cache {s.kv_dtype} ({kv_bytes:g} B/element): {kv_heads_note} (--kv-dtype)",
+            f"forward working memory for {tokens} batched tokens (--max-batched-tokens), fp32 logits for up to 1024 "
+            "sequences sampled at once",
+            f"tensor parallel {s.tp}: weights split {s.tp} ways (--tp)",
+            f"CUDA context {context / GIB:.2f} GiB" + (f", NCCL {nccl / GIB:.2f} GiB" if nccl else "")
+            + f", fragmentation margin {frag * 100:.0f}% of weights and working memory (the KV cache is one "
+              "preallocated block)",
+            *arch.notes],
+    }
+    if s.gpu:
+        dev = device_memory(s.gpu, s.usable_gib)
+        left = dev.usable_bytes - result["fixed_bytes"]
+        result["gpu"] = _fit(dev, result["fixed_bytes"])
+        result["gpu"]["kv_cache_bytes"] = max(int(left), 0)
+        result["gpu"]["max_concurrent_tokens"] = max(int(left // per_token), 0)
+    return result
+
+
+# ------------------------------------------------------------------------------------------ fitting
+
+def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
+    """Least squares by modified Gram-Schmidt QR on column-scaled features (a handful of columns)."""
+    n = len(rows[0])
+    cols = [[r[j] for r in rows] for j in range(n)]
+    scale = [math.sqrt(sum(v * v for v in c)) or 1.0 for c in cols]
+    q = [[v / scale[j] for v in cols[j]] for j in range(n)]
+    r = [[0.0] * n for _ in range(n)]
+    keep = []
+    for j in range(n):
+        for i in keep:
+            r[i][j] = sum(a * b for a, b in zip(q[i], q[j]))
+            q[j] = [a - r[i][j] * b for a, b in zip(q[j], q[i])]
+        norm = math.sqrt(sum(v * v for v in q[j]))
+        if norm < 1e-9:  # a feature the runs cannot tell apart from the others: it gets 0
+            r[j][j] = 0.0
+            continue
+        r[j][j] = norm
+        q[j] = [v / norm for v in q[j]]
+        keep.append(j)
+    qty = [sum(a * b for a, b in zip(q[j], y)) if j in keep else 0.0 for j in range(n)]
+    x = [0.0] * n
+    for j in reversed(range(n)):
+        if j not in keep:
+            continue
+        x[j] = (qty[j] - sum(r[j][k] * x[k] for k in range(j + 1, n))) / r[j][j]
+    return [x[j] / scale[j] for j in range(n)]
+
+
+def _run_features(run: dict[str, Any]) -> tuple[dict[str, float], float]:
+    arch = Arch(name="calibration", vocab_size=run["vocab_size"], dim=run["dim"], n_layers=run["n_layers"],
+                n_heads=run["n_heads"], n_kv_heads=run["n_kv_heads"], head_dim=run["head_dim"],
+                ffn_dim=run["ffn_dim"])
+    return features(arch), float(run["micro_batch"] * run["seq"])
+
+
+def _design(name: str, feats: dict[str, float], tokens: float) -> list[float]:
+    return [feats[f] if f in STATIC_FEATURES else feats[f] * tokens for f in COMPONENTS[name][1]]
+
+
+def components_of(run: dict[str, Any]) -> dict[str, float]:
+    """The measured components of one calibration run, from its MemTracker phase totals (bytes)."""
+    ph = run["phases"]
+    L = run["n_layers"]
+    post = ph["layer_post_fw"]
+    saved = (post[-1] - post[0]) / (L - 1)
+    pre_bw, peak_bw = ph["layer_pre_bw"], ph["layer_peak_bw"]
+    return {
+        "saved_per_layer": saved,
+        "before_layers": post[0] - saved - ph["before"],
+        "head_forward": ph["head_peak_fw"] - post[-1],
+        "head_saved": ph["forward_end"] - post[-1],
+        "head_backward": ph["head_peak_bw"] - ph["forward_end"],
+        "after_head": pre_bw[-1] - ph["forward_end"],
+        "layer_backward": sum(p - q for p, q in zip(peak_bw, pre_bw)) / L,
+        "backward_per_layer": (pre_bw[0] - pre_bw[-1]) / (L - 1),
+    }
+
+
+def fit_coefficients(runs: list[dict[str, Any]], dtype: str, recompute: str) -> dict[str, Any]:
+    """Least-squares coefficients of every component over the calibration runs, and how well the whole model
+    then predicts each run's measured peak."""
+    measured = [components_of(r) for r in runs]
+    design = [_run_features(r) for r in runs]
+    out: dict[str, Any] = {"dtype": dtype, "recompute": recompute, "components": {}}
+    for name, (what, names) in COMPONENTS.items():
+        X = [_design(name, f, t) for f, t in design]
+        y = [m[name] for m in measured]
+        coef = _lstsq(X, y)
+        out["components"][name] = {n: round(c, 6) for n, c in zip(names, coef)}
+    errors = []
+    for run in runs:
+        arch = Arch(name="calibration", vocab_size=run["vocab_size"], dim=run["dim"], n_layers=run["n_layers"],
+                    n_heads=run["n_heads"], n_kv_heads=run["n_kv_heads"], head_dim=run["head_dim"],
+                    ffn_dim=run["ffn_dim"])
+        setup = TrainSetup(seq=run["seq"], micro_batch=run["micro_batch"], dtype=dtype, recompute=recompute,
+                           optimizer=run.get("optimizer", "adamw"))
+        est = estimate_training(arch, setup, {"sets": {f"{dtype}/{recompute}": out}})["allocated_peak_bytes"]
+        errors.append(100.0 * (est - run["peak_bytes"]) / run["peak_bytes"])
+    abs_err = sorted(abs(e) for e in errors)
+    out["fit"] = {"runs": len(runs), "median_abs_error_pct": round(abs_err[len(abs_err) // 2], 2),
+                  "max_abs_error_pct": round(abs_err[-1], 2)}
+    out["runs"] = [{k: r[k] for k in ("dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size",
+                                      "n_layers", "micro_batch", "seq", "peak_bytes")} | {"error_pct": round(e, 2)}
+                   for r, e in zip(runs, errors)]
+    # The book's "copies": one block's saved bytes per token over (dtype bytes x hidden), at the Llama-3.1-8B shape.
+    from mleng.plan.arch import resolve
+
+    llama8b = features(resolve("8b"))
+    per_layer = sum(out["components"]["saved_per_layer"][n] * llama8b[n] for n in LAYER_FEATURES if n != "layer_params")
+    out["book_copies_llama8b"] = round(per_layer / (_dtype_bytes(dtype) * llama8b["dim"]), 2)
+    return out
