@@ -307,7 +307,8 @@ def _train(opts: StepOptions, launch, job, device, state: RankState, progress: P
             state.memory = _memory(device, state.identity.get("uuid"))
         if opts.profile_steps:
             state.phase = "profile"
-            _profile(step_fn, total, opts.profile_steps, device, state, opts.trace_path if rank == 0 else None)
+            _profile(step_fn, index + opts.steps, opts.profile_steps, device, state,
+                     opts.trace_path if rank == 0 else None)
     except torch.OutOfMemoryError as exc:
         raise _oom(exc, opts, state, device, world) from None
     except RuntimeError as exc:
