@@ -161,7 +161,7 @@ def test_tools_are_the_commands_with_their_flags(server):
     tools = {t.name: t for t in server.list_tools().tools}
     assert set(tools) >= {"ask", "triage", "handbook_show", "handbook_list", "env", "doctor", "specs_show",
                           "specs_compare", "results_list", "results_show", "results_compare", "upgrade",
-                          "mamf", "membw", "comm", "check"}
+                          "memory", "plan", "mamf", "membw", "comm", "check"}
     for name, tool in tools.items():
         Draft202012Validator.check_schema(tool.input_schema)
         assert tool.input_schema["additionalProperties"] is False
@@ -243,6 +243,12 @@ def test_the_other_tools_return_the_cli_json(server, cli_env, tmp_path):
                      "model_params": "70B", "seq_len": 32768},
          ["upgrade", "--from", "h100", "--to", "b200", "--price-from", "2.5", "--price-to", "5", "--workload",
           "attention", "--model-params", "70B", "--seq-len", "32768"]),
+        ("memory", {"model": "70b", "gpus": 16, "fsdp": True, "recompute": "full", "gpu": "h200"},
+         ["memory", "70b", "--gpus", "16", "--fsdp", "--recompute", "full", "--gpu", "h200"]),
+        ("memory", {"model": "8b", "inference": True, "weights": "fp8", "gpu": "h200"},
+         ["memory", "8b", "--inference", "--weights", "fp8", "--gpu", "h200"]),
+        ("plan", {"model": "8b", "gpus": 16, "busbw": 100, "tflops": 400},
+         ["plan", "8b", "--gpus", "16", "--busbw", "100", "--tflops", "400"]),
     ]
     for name, arguments, argv in cases:
         tool = server.ok(name, arguments)
@@ -282,6 +288,8 @@ BAD_CALLS = [
      "mleng upgrade: error: argument --model-params: '7x' is not a parameter count"),
     ("upgrade", {"from": "h100", "to": "h200", "price_from": 2, "price_to": 3, "workload": "moe"},
      "argument --workload: invalid choice: 'moe'"),
+    ("memory", {"model": "8b", "calibrate": True}, "unknown argument 'calibrate'"),
+    ("plan", {"model": "8b"}, "missing required argument: gpus"),
     ("mamf", {}, "without --allow-measure"),
     ("membw", {"size": "1GiB"}, "without --allow-measure"),
     ("comm", {"op": ["all_reduce"]}, "without --allow-measure"),

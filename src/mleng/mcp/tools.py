@@ -115,6 +115,18 @@ def _upgrade(args, index):
     return result(args)
 
 
+def _memory(args, index):
+    from mleng.cli.memory import result
+
+    return result(args)
+
+
+def _plan(args, index):
+    from mleng.cli.plan import result
+
+    return result(args)
+
+
 def _categories() -> list[str]:
     from mleng.handbook.model import CATEGORIES
 
@@ -186,6 +198,19 @@ TOOLS: list[ToolSpec] = [
              "Does moving from one GPU to another pay for itself: gate 1 capability (memory, dtypes), gate 2 "
              "throughput and cost per million tokens, the break-even price, the verdict and every assumption.",
              call=_upgrade),
+    ToolSpec("memory", ("memory",),
+             "Will a training (or, with inference, a serving) config fit: per-GPU memory estimated from the "
+             "architecture (weights, gradients and optimizer states exactly; activations and logits from measured "
+             "coefficients; or weights, KV cache and working memory), and the headroom on `gpu`. No measurement "
+             "(the CLI's --measure and --calibrate are not offered).",
+             call=_memory, exclude=frozenset({"calibrate", "measure", "device", "no_store"}),
+             overrides={"model": {"type": "string", "description":
+                 "a preset of mleng step (tiny, 1b, 8b, 70b) or a config.json on the server's machine"}}),
+    ToolSpec("plan", ("plan",),
+             "Is a data-parallel config communication-bound: DDP/ZeRO/FSDP traffic per step at the busbw of a stored "
+             "`mleng comm` run (or `busbw`) against the compute time (a stored `mleng step` run, `tflops`, or `mfu`), "
+             "per strategy, with each one's memory on `gpu`. No measurement (--run-comm is not offered).",
+             call=_plan, exclude=frozenset({"run_comm", "nproc"})),
     ToolSpec("mamf", ("mamf",), MEASURE_NOTE + "Maximum achievable matmul TFLOPS by an adaptive shape search "
              "(or the shapes given); returns the measurement record (summary: best shape, median TFLOPS, "
              "theoretical, ratio, clocks).", child=_always, measures=_always, read_only=False),
@@ -208,17 +233,22 @@ BY_NAME = {tool.name: tool for tool in TOOLS}
 _PARSERS: dict[tuple[str, ...], argparse.ArgumentParser] = {}
 
 
-def leaf_parser(command: tuple[str, ...]) -> argparse.ArgumentParser:
-    """The parser of `mleng COMMAND [ACTION]`, as the CLI builds it."""
-    if command not in _PARSERS:
+def top_parser(command: str) -> argparse.ArgumentParser:
+    """The `mleng` parser as the CLI builds it to run COMMAND."""
+    if (command,) not in _PARSERS:
         from mleng.cli.main import build_parser
 
-        parser = build_parser(command[0])
-        for word in command:
-            sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-            parser = sub.choices[word]
-        _PARSERS[command] = parser
-    return _PARSERS[command]
+        _PARSERS[(command,)] = build_parser(command)
+    return _PARSERS[(command,)]
+
+
+def leaf_parser(command: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The parser of `mleng COMMAND [ACTION]`, whose actions are the tool's arguments."""
+    parser = top_parser(command[0])
+    for word in command:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[word]
+    return parser
 
 
 def property_name(action: argparse.Action) -> str:
@@ -376,12 +406,7 @@ def to_argv(tool: ToolSpec, arguments: dict) -> list[str]:
 
 def parse(tool: ToolSpec, argv: list[str]) -> argparse.Namespace:
     """argv parsed by the CLI's own parser; its refusal becomes a UsageError with the CLI's message."""
-    from mleng.cli.main import build_parser
-
-    command = argv[0]
-    parser = _PARSERS.get(("top", command))
-    if parser is None:
-        parser = _PARSERS[("top", command)] = build_parser(command)
+    parser = top_parser(argv[0])
     # --json right after the command words, before any positional given after "--"
     words = len(tool.command)
     full = [*argv[:words], "--json", *argv[words:]]
