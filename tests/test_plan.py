@@ -144,3 +144,26 @@ def test_gpus_needed_and_fit_on_a_named_gpu():
     assert rows["ddp"]["fits"] is False and rows["ddp"]["gpus_needed"] is None
     assert rows["zero3"]["gpus_needed"] is not None and rows["zero3"]["gpus_needed"] <= 16
     assert out["best"] == ("zero3" if rows["zero3"]["fits"] else None)
+
+
+def test_upgrade_gate_1_uses_mleng_memory(run_mleng):
+    """mleng upgrade --model: gate 1 is mleng memory at the explicit --gpus/--zero; a model that fits neither card
+    says so and is never UPGRADE on memory grounds; --mfu in (0, 1]; 70B and 70e9; dtype aliases."""
+    base = ["upgrade", "--from", "h100", "--to", "h200", "--price-from", "2", "--price-to", "3.5", "--json"]
+    done = run_mleng(*base, "--model", "70b", "--gpus", "1", "--seq-len", "8192")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["gate1_capability"]["fits"] == {"from": False, "to": False}
+    assert out["verdict"] == "does not fit"
+    assert any("mleng memory 70b" in a for a in out["assumptions"])
+    fits = json.loads(run_mleng(*base, "--model", "70b", "--gpus", "16", "--zero", "3", "--seq-len", "4096").stdout)
+    assert fits["gate1_capability"]["fits"]["to"] is True
+    assert fits["gate1_capability"]["usable_memory_gib"]["to"] == pytest.approx(143771 / 1024 - 648347648 / 2**30,
+                                                                                abs=0.1)
+    for bad, message in ((["--mfu", "1.5"], "--mfu 1.5"), (["--mfu", "0"], "--mfu 0"),
+                         (["--model", "8b", "--zero", "4"], "--zero 4")):
+        r = run_mleng(*base, *bad)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+    a = json.loads(run_mleng(*base, "--model-params", "70B", "--dtype", "bfloat16").stdout)
+    b = json.loads(run_mleng(*base, "--model-params", "70e9", "--dtype", "bf16").stdout)
+    assert a["gate2_throughput"] == b["gate2_throughput"] and a["dtype"] == "bf16"

@@ -21,6 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="parameter count, e.g. 8e9, 70B, 405B (default 8e9)")
     parser.add_argument("--gpus", type=int, default=8,
                         help="GPUs the model state is sharded over (ZeRO-3/FSDP) for the memory estimate (default 8)")
+    parser.add_argument("--model", help="a mleng step preset or local config.json: gate 1 from `mleng memory` at "
+                                        "--gpus/--zero/--recompute instead of the book's 8B fit scaled")
+    parser.add_argument("--zero", type=int, help="with --model: ZeRO stage over --gpus (default 0: no sharding)")
+    parser.add_argument("--recompute", default="full", help="with --model: none, selective, full (default full)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="with --model: sequences per GPU (default 1)")
     parser.add_argument("--hidden", type=int, help="hidden size (default: estimated from --model-params)")
     parser.add_argument("--layers", type=int, help="layer count (default: estimated from --model-params)")
     parser.add_argument("--dtype", default="bf16", help="compute dtype for the rates (default bf16)")
@@ -80,7 +85,8 @@ def result(args: argparse.Namespace) -> dict:
     workload = Workload(kind=args.workload, seq_len=args.seq_len, model_params=args.model_params,
                         hidden=args.hidden, layers=args.layers, dtype=args.dtype, need_dtype=args.need_dtype,
                         mfu=args.mfu, memory_fixed_gib=args.memory_fixed_gib,
-                        memory_per_token_gib=args.memory_per_token_gib, gpus=args.gpus)
+                        memory_per_token_gib=args.memory_per_token_gib, gpus=args.gpus, model=args.model,
+                        zero=args.zero, recompute=args.recompute, micro_batch=args.micro_batch)
     return decide(lookup_accelerator(args.from_gpu), lookup_accelerator(args.to_gpu), args.price_from,
                   args.price_to, workload, _mamf_value(args.from_run), _mamf_value(args.to_run))
 

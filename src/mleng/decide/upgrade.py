@@ -43,6 +43,11 @@ class Workload:
     memory_fixed_gib: float | None = None
     memory_per_token_gib: float | None = None
     gpus: int = REFERENCE_GPUS  # GPUs the model state is sharded over (ZeRO-3 / FSDP)
+    # With a model (a mleng step preset or config.json), gate 1 is `mleng memory` at an explicit layout.
+    model: str | None = None
+    zero: int | None = None
+    recompute: str = "full"
+    micro_batch: int = 1
 
     def shape(self) -> tuple[int, int]:
         if self.hidden and self.layers:
@@ -154,6 +159,14 @@ def decide(old: Any, new: Any, price_old: float, price_new: float, workload: Wor
     new_dtypes = [d for d in DTYPE_ORDER if _rate(new, d) and not _rate(old, d)]
     usable_old, usable_new = usable_memory_gib(old), usable_memory_gib(new)
     need_gib = memory_needed_gib(workload)
+    gate = None
+    if workload.model:
+        from mleng.plan.gate import memory_gate
+
+        gate = memory_gate(workload.model, workload.seq_len, workload.gpus, workload.zero, workload.recompute,
+                           workload.micro_batch, dtype, old, new)
+        usable_old, usable_new, need_gib = gate["usable_gib"]["from"], gate["usable_gib"]["to"], gate["need_gib"]
+        workload.model_params, workload.hidden, workload.layers = gate["params"], gate["hidden"], gate["layers"]
     capability_reasons = []
     if workload.need_dtype:
         if not _rate(old, workload.need_dtype) and _rate(new, workload.need_dtype):
@@ -232,12 +245,13 @@ def decide(old: Any, new: Any, price_old: float, price_new: float, workload: Wor
     return {
         "from": old.name, "to": new.name, "dtype": dtype,
         "workload": {**dataclasses.asdict(workload), "hidden": hidden, "layers": layers},
-        "assumptions": assumptions(workload),
+        "assumptions": gate["assumptions"] + assumptions(workload)[1:] if gate else assumptions(workload),
         "gate1_capability": {
             "passed": gate1_passed, "fits": {"from": fits_old, "to": fits_new}, "reasons": capability_reasons, "new_dtypes": new_dtypes,
             "memory_needed_gib": round(need_gib, 1),
             "usable_memory_gib": {"from": round(usable_old, 1), "to": round(usable_new, 1)},
-            "max_seq_len": {"from": max_seq_len(workload, usable_old), "to": max_seq_len(workload, usable_new)},
+            "max_seq_len": gate["max_seq_len"] if gate else
+            {"from": max_seq_len(workload, usable_old), "to": max_seq_len(workload, usable_new)},
             "memory_headroom_gib": {"from": round(usable_old - need_gib, 1), "to": round(usable_new - need_gib, 1)},
         },
         "gate2_throughput": {

@@ -55,7 +55,7 @@ class BusbwCurve:
         """busbw at `size`: log-log interpolation between the nearest stored sizes; the end values beyond them."""
         pts = self.points
         if len(pts) == 1:
-            return pts[0][1], "one stored value"
+            return pts[0][1], "one value for every size"
         if size <= pts[0][0]:
             return pts[0][1], f"below the smallest stored size ({pts[0][0]:,} B): its busbw"
         if size >= pts[-1][0]:
