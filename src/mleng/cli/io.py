@@ -27,8 +27,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mleng.measure.sizes import format_bytes
+
+    # SIGTERM (a batch system's stop) ends the run like Ctrl-C: files removed, results kept (mleng.signals).
+
+    def on_row(row: dict) -> None:
+        if not args.json:
+            bandwidth = f"{row['bandwidth_gbps']:.3f} GB/s, " if row["bandwidth_gbps"] is not None else ""
+            print(f"  {row['target']} {row['workload']} ({row['engine']}): {bandwidth}{row['iops']:.0f} IOPS",
+                  file=sys.stderr, flush=True)
+
+    def on_workspace(workspace) -> None:
+        if not args.json:
+            print(f"  working in {workspace.dir} (removed at the end)", file=sys.stderr, flush=True)
+
+    m = measure(args, on_row=on_row, on_workspace=on_workspace)
+    return store_print_exit(m, args, lambda record: render(record, format_bytes))
+
+
+def measure(args: argparse.Namespace, on_row=None, on_workspace=None):
+    """What `mleng io` does before it stores and prints: the flags and PATH checked, the store checked, the
+    run; returns the Measurement. `mleng.io()` calls it."""
     from mleng.measure import storage
-    from mleng.measure.sizes import format_bytes, parse_size
+    from mleng.measure.sizes import parse_size
 
     from mleng.errors import UsageError
 
@@ -44,22 +65,9 @@ def run(args: argparse.Namespace) -> int:
                  else list(storage.WORKLOADS))
     storage.check_target(args.path)
     preflight_store(args)
-    # SIGTERM (a batch system's stop) ends the run like Ctrl-C: files removed, results kept (mleng.signals).
-
-    def on_row(row: dict) -> None:
-        if not args.json:
-            bandwidth = f"{row['bandwidth_gbps']:.3f} GB/s, " if row["bandwidth_gbps"] is not None else ""
-            print(f"  {row['target']} {row['workload']} ({row['engine']}): {bandwidth}{row['iops']:.0f} IOPS",
-                  file=sys.stderr, flush=True)
-
-    def on_workspace(workspace) -> None:
-        if not args.json:
-            print(f"  working in {workspace.dir} (removed at the end)", file=sys.stderr, flush=True)
-
-    m = storage.run_io(args.path, size_bytes=size, jobs=args.jobs, duration_s=args.duration,
-                       workloads=workloads, engine=args.engine, baseline=args.baseline,
-                       metadata_files=args.files, on_row=on_row, on_workspace=on_workspace)
-    return store_print_exit(m, args, lambda record: render(record, format_bytes))
+    return storage.run_io(args.path, size_bytes=size, jobs=args.jobs, duration_s=args.duration,
+                          workloads=workloads, engine=args.engine, baseline=args.baseline,
+                          metadata_files=args.files, on_row=on_row, on_workspace=on_workspace)
 
 
 def render(m, format_bytes) -> str:

@@ -81,7 +81,13 @@ def shapes_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from mleng.measure.matmul import MamfOptions, canonical_dtype
+    return _finish(measure(args, progress=True), args)
+
+
+def measure(args: argparse.Namespace, progress: bool = False):
+    """What `mleng mamf` does before it stores and prints: the flags checked (before torch), the store checked,
+    the run; returns the Measurement. `mleng.mamf()` calls it without progress on stderr."""
+    from mleng.measure.matmul import MamfOptions, canonical_dtype, run_mamf
 
     if args.dtype:
         canonical_dtype(args.dtype)  # an unknown dtype is refused before torch is imported
@@ -96,13 +102,14 @@ def run(args: argparse.Namespace) -> int:
     shapes = shapes_from_args(args)
     preflight_store(args)  # an unusable store stops us now, not after the whole search
     if args.all_devices:
-        return _run_all_devices(args)
+        return _measure_all_devices(args, progress)
     options = MamfOptions(device=args.device, dtype=args.dtype, tf32=args.tf32 == "on",
                           fp8_fast_accum=args.fp8_fast_accum, max_seconds=args.max_seconds, shapes=shapes,
                           min_dim=args.min_dim, max_dim=args.max_dim, granule=args.step, iters=args.iters,
                           seeds=not args.no_seeds)
-    measurement = _run_one(options, quiet=args.json)
-    return _finish(measurement, args)
+    if not progress:
+        return run_mamf(options)
+    return _run_one(options, quiet=args.json)
 
 
 def _run_one(options, quiet: bool):
@@ -251,7 +258,7 @@ def _render_all_devices(measurement) -> str:
     return "\n".join(lines)
 
 
-def _run_all_devices(args: argparse.Namespace) -> int:
+def _measure_all_devices(args: argparse.Namespace, progress: bool):
     import torch
 
     from mleng.measure.matmul import run_all_devices
@@ -280,7 +287,6 @@ def _run_all_devices(args: argparse.Namespace) -> int:
             argv.append("--no-seeds")
         return argv
 
-    if not args.json:
+    if progress and not args.json:
         print(f"mleng mamf: {count} GPUs, one process each, budget {args.max_seconds:g} s", file=sys.stderr)
-    measurement = run_all_devices(child_argv, count)
-    return _finish(measurement, args)
+    return run_all_devices(child_argv, count)

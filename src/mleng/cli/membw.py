@@ -29,8 +29,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mleng.measure.sizes import format_bytes
+
+    shown: list[dict] = []
+
+    def on_row(row: dict) -> None:
+        shown.append(row)
+        if not args.json and "gbps" in row:
+            print(f"  {row['device']} {_label(row)}: {row['gbps']:.1f} GB/s", file=sys.stderr, flush=True)
+
+    m = measure(args, on_row=on_row)
+    return store_print_exit(m, args, lambda record: render(record, format_bytes))
+
+
+def measure(args: argparse.Namespace, on_row=None):
+    """What `mleng membw` does before it stores and prints: the flags checked, the store checked, the run;
+    returns the Measurement. `mleng.membw()` calls it."""
     from mleng.measure import membw
-    from mleng.measure.sizes import format_bytes, parse_size
+    from mleng.measure.sizes import parse_size
 
     size = parse_size(args.size, "--size") if args.size else None
     tests = [t.strip() for t in args.tests.split(",") if t.strip()] if args.tests else list(membw.TESTS)
@@ -44,17 +60,9 @@ def run(args: argparse.Namespace) -> int:
 
         raise UsageError(f"--threads must be at least 1 (got {args.threads})")
     preflight_store(args)
-    shown: list[dict] = []
-
-    def on_row(row: dict) -> None:
-        shown.append(row)
-        if not args.json and "gbps" in row:
-            print(f"  {row['device']} {_label(row)}: {row['gbps']:.1f} GB/s", file=sys.stderr, flush=True)
-
-    m = membw.run_membw(device=args.device, all_devices=args.all_devices, size_bytes=size, tests=tests,
-                        engines=engines, iters=args.iters, warmup=args.warmup, threads=args.threads,
-                        on_row=on_row)
-    return store_print_exit(m, args, lambda record: render(record, format_bytes))
+    return membw.run_membw(device=args.device, all_devices=args.all_devices, size_bytes=size, tests=tests,
+                           engines=engines, iters=args.iters, warmup=args.warmup, threads=args.threads,
+                           on_row=on_row)
 
 
 def _label(row: dict) -> str:
