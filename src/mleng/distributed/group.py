@@ -98,14 +98,7 @@ def join(launch: Launch, backend: str, device: str, timeout_s: float,
 
     base = connect_store(launch, timeout_s)
     store = dist.PrefixStore(f"mleng/{launch.run_id}/", base)
-    mine = dict(info or {}, rank=launch.rank, host=(info or {}).get("host") or socket.gethostname(),
-                params_digest=params_digest(params or {}), params=params or {})
-    _set(store, f"join/{launch.rank}", mine, launch, "posting this rank's arrival")
-    _count(store, "join/count", launch, "posting this rank's arrival")
-    if launch.rank == 0:
-        ranks = _rank0_collect_joins(store, launch, timeout_s, mine)
-    else:
-        ranks = _wait_for_verdict(store, launch, timeout_s)
+    ranks = rendezvous(store, launch, timeout_s, info, params)
     try:
         dist.init_process_group(backend, store=dist.PrefixStore("pg/", store), rank=launch.rank,
                                 world_size=launch.world_size,
@@ -113,6 +106,20 @@ def join(launch: Launch, backend: str, device: str, timeout_s: float,
     except Exception as exc:
         raise collective_error(exc, "process group initialization", launch.rank, timeout_s) from None
     return Job(launch, backend, device, timeout_s, store, ranks)
+
+
+def rendezvous(store, launch: Launch, timeout_s: float, info: dict | None = None,
+               params: dict | None = None) -> list[dict]:
+    """Every rank posts its arrival on `store`; rank 0 names the ranks that did not come within timeout_s
+    (or came with other params) and tells everybody. Returns what every rank said about itself, by rank.
+    join() runs it on a store of its own; mleng.preflight also on the store of a job's existing group."""
+    mine = dict(info or {}, rank=launch.rank, host=(info or {}).get("host") or socket.gethostname(),
+                params_digest=params_digest(params or {}), params=params or {})
+    _set(store, f"join/{launch.rank}", mine, launch, "posting this rank's arrival")
+    _count(store, "join/count", launch, "posting this rank's arrival")
+    if launch.rank == 0:
+        return _rank0_collect_joins(store, launch, timeout_s, mine)
+    return _wait_for_verdict(store, launch, timeout_s)
 
 
 def connect_store(launch: Launch, timeout_s: float):
