@@ -191,7 +191,7 @@ def main() -> int:
     first = [s["first_answer_s"] for s in starts]
     init = [s["initialize_s"] for s in starts]
     report = {
-        "command": "python bench/mcp_latency.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python", "bench/mcp_latency.py", *sys.argv[1:]]),
         "machine": host,
         "mcp_sdk": version("mcp"),
         "start_to_first_answer_s": {"n": len(first), "median": round(statistics.median(first), 3),
