@@ -113,3 +113,25 @@ def test_calibration_writes_command_machine_date(tmp_path, monkeypatch):
     assert entry["components"]["saved_per_layer"]["dim"] == pytest.approx(4.0, abs=0.05)
     est, _ = memory.coefficient_set("float32", "full", data)
     assert est["dtype"] == "float32"
+
+
+def test_compare_with_a_stored_step_run(run_mleng):
+    """A `mleng step` GPU record (modelled here: the fields it writes) against the estimate of its own config."""
+    from mleng.results.record import Measurement
+    from mleng.results.store import Store
+
+    cfg = resolve("tiny").step_config()
+    record = Measurement.start("step", {"model": cfg.to_dict(), "seq": 256, "micro_batch": 2, "dtype": "bfloat16",
+                                        "parallel": "fsdp", "world_size": 2, "activation_checkpointing": True,
+                                        "compile": False})
+    est = estimate_training(resolve("tiny"), TrainSetup(seq=256, micro_batch=2, dtype="bfloat16", gpus=2, fsdp=True,
+                                                        recompute="full"))
+    record.summary = {"memory": {"peak_allocated_bytes": int(est["allocated_peak_bytes"] * 1.05)}}
+    record.finish("complete")
+    with Store() as store:
+        store.save(record)
+    done = run_mleng("memory", "--step", record.id, "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["error_pct"] == pytest.approx(100 * (1 / 1.05 - 1), abs=0.01)
+    assert out["parallel"] == "fsdp" and out["world_size"] == 2

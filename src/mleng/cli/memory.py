@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     meas.add_argument("--coefficients", metavar="FILE", help="read (and --calibrate writes) this coefficients "
                                                               "file instead of the packaged one")
     meas.add_argument("--no-store", action="store_true", help="--measure: do not save the record")
+    meas.add_argument("--step", metavar="ID", help="compare with a stored `mleng step` run: its allocator peak beside "
+                                                  "the estimate of its own config (model, seq, dtype, DDP/FSDP, ranks)")
 
 
 def _coeff_data(args):
@@ -82,6 +84,17 @@ def result(args: argparse.Namespace) -> dict:
     from mleng.plan.arch import resolve
     from mleng.plan.memory import InferSetup, estimate_inference, estimate_training
 
+    if args.step:
+        from mleng.plan.check import compare_step_record
+        from mleng.results.store import Store
+
+        if args.model:
+            raise UsageError("--step compares a stored run with the estimate of its own config; give no model")
+        with Store(create=False) as store:
+            if not store.exists:
+                raise UsageError("no results stored yet", hint="run `mleng step` on a GPU first")
+            record = store.get(args.step).to_dict()
+        return {"mode": "step-comparison", **compare_step_record(record, _coeff_data(args))}
     if not args.model:
         raise UsageError("give a model: a preset (tiny, 1b, 8b, 70b) or a local config.json",
                          hint="or --calibrate to measure the activation coefficients")
@@ -114,6 +127,10 @@ def run(args: argparse.Namespace) -> int:
     out = result(args)
     if args.json:
         print_json(out)
+    elif out["mode"] == "step-comparison":
+        print(f"step run {out['id']} ({out['parallel']}, {out['world_size']} rank(s), compile {out['compile']}): "
+              f"measured peak {_gib(out['measured_peak_bytes'])} GiB allocated, estimated "
+              f"{_gib(out['estimated_peak_bytes'])} GiB: error {out['error_pct']:+.1f}%")
     else:
         print(render(out))
     return 0
