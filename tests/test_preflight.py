@@ -73,9 +73,9 @@ SCRIPT = textwrap.dedent('''
     out["same_group_after"] = dist.group.WORLD is group_before and dist.is_initialized()
 
     hogs = []
-    if rank == 1:  # two busy loops on rank 1's core: it computes at about a third of its speed
+    if rank == 1:  # three busy loops on rank 1's core: it computes at about a quarter of its speed
         hog = "import os; os.sched_setaffinity(0, {%d})\\nwhile True: pass" % (rank % os.cpu_count())
-        hogs = [subprocess.Popen([sys.executable, "-c", hog]) for _ in range(2)]
+        hogs = [subprocess.Popen([sys.executable, "-c", hog]) for _ in range(3)]
         time.sleep(0.5)
     try:
         call("straggler", max_seconds=6)
@@ -227,12 +227,35 @@ def test_bad_input_is_one_clear_error_before_anything_starts(monkeypatch):
     assert time.monotonic() - t0 < 10
 
 
-def test_one_plain_process_is_checked_alone(mleng_home):
-    code = ("import mleng; r = mleng.preflight(); "
-            "print(r.summary['verdict'], r.summary['world_size'], sorted(x['check'] for x in r.rows))")
+def test_one_plain_process_is_checked_alone_and_a_missing_interface_is_one_error(mleng_home):
+    code = textwrap.dedent("""
+        import os, mleng
+        r = mleng.preflight()
+        print(r.summary["verdict"], r.summary["world_size"], sorted(x["check"] for x in r.rows))
+        from mleng.distributed.launch import free_port
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                          GLOO_SOCKET_IFNAME="nosuchnic0")
+        try:
+            mleng.preflight()
+        except mleng.PreflightError as exc:
+            print("ERROR", exc.message, "|", exc.hint)
+    """)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env=dict(env, MLENG_HOME=str(mleng_home)))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split()[:2] == ["ok", "1"]
+    first, second = proc.stdout.splitlines()
+    assert first.split()[:2] == ["ok", "1"]
     assert "mleng preflight: 1 rank on 1 host" in proc.stderr
+    assert second.startswith("ERROR process group initialization failed on rank 0: ") and "nosuchnic0" in second
+    assert "GLOO_SOCKET_IFNAME=nosuchnic0 names a network interface this host does not have" in second
+
+
+def test_stragglers_are_judged_against_the_median_of_the_others():
+    from mleng.preflight import stragglers
+
+    assert stragglers({0: 1.0, 1: 0.5}, 0.6) == [(1, 0.5, 1.0)]  # two ranks: each against the other
+    assert stragglers({0: 1.0, 1: 0.9, 2: 1.1, 3: 0.3}, 0.6) == [(3, 0.3, 1.0)]
+    assert stragglers({"a": 1.0, "b": 0.7}, 0.6) == []
+    assert stragglers({0: 1.0, 1: 0.1}, 0) == []  # 0 names none
+    assert stragglers({0: 1.0}, 0.6) == []

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_SECONDS = 10.0
 # A rank (or node) slower than this fraction of the median of the others is a straggler.
-DEFAULT_STRAGGLER_RATIO = 0.6
+DEFAULT_STRAGGLER_RATIO = 0.5
 # Below this share of the link's spec the probe's bus bandwidth is worth a warning (a quick probe at one
 # size does not reach the peak a full `mleng comm` sweep finds, so this is not a pass mark).
 LOW_BUSBW_RATIO = 0.25
@@ -95,7 +95,7 @@ def preflight(*, timeout: float = DEFAULT_TIMEOUT_S, max_seconds: float = DEFAUL
         except (CheckFailed, UsageError) as exc:
             if isinstance(exc, UsageError) and session.world_size == 0:
                 raise  # bad launcher variables or arguments: the usage error itself
-            raise PreflightError(exc.message, hint=_preflight_hint(exc.hint)) from None
+            raise PreflightError(exc.message, hint=_preflight_hint(exc.message, exc.hint)) from None
         return _run(session, params, size, started, quiet=quiet, no_store=no_store)
     finally:
         session.close()
@@ -109,7 +109,7 @@ def _validate(timeout: float, max_seconds: float, straggler_ratio: float) -> Non
                              hint=f"e.g. mleng.preflight({name}={DEFAULT_TIMEOUT_S if name == 'timeout' else DEFAULT_MAX_SECONDS:g})")
     if not isinstance(straggler_ratio, (int, float)) or not 0 <= straggler_ratio < 1:
         raise UsageError(f"preflight straggler_ratio={straggler_ratio!r}: give a fraction from 0 up to (not "
-                         "including) 1", hint="0.6 names ranks below 60% of the others' median; 0 names none")
+                         "including) 1", hint="0.5 names ranks below half the others' median; 0 names none")
 
 
 def _probe_size(probe_bytes: int | str | None) -> int | None:
@@ -128,7 +128,12 @@ def _probe_size(probe_bytes: int | str | None) -> int | None:
     return size
 
 
-def _preflight_hint(hint: str | None) -> str | None:
+def _preflight_hint(message: str, hint: str | None) -> str | None:
+    if "Unable to find address for" in message:
+        names = ", ".join(f"{v}={os.environ[v]}" for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+                          if os.environ.get(v))
+        return (f"{names or 'the socket interface variable'} names a network interface this host does not have: "
+                "list them with `ip -br addr` and set it to one that carries the job's traffic (or unset it)")
     return hint.replace("raise --timeout", "raise preflight's timeout") if hint else hint
 
 
@@ -431,7 +436,7 @@ def _timed_matmuls(session: _Session, budget_end: float, gpu_sample: dict, cuda:
     b = torch.randn(dim, dim, dtype=dtype, device=session.device, generator=generator)
     flops = 2 * dim ** 3
     share = max(0.2, min(1.0, (budget_end - time.monotonic()) * 0.1))
-    rounds = 5
+    rounds = 10
     # size a round from a batch long enough to time (a single small call is all noise): share/rounds each
     torch.mm(a, b)
     _sync(session.device)
@@ -459,7 +464,8 @@ def _timed_matmuls(session: _Session, budget_end: float, gpu_sample: dict, cuda:
     best = min(times)
     del a, b
     return {"tflops": flops / best / 1e12, "tflops_median": flops / statistics.median(times) / 1e12,
-            "shape": f"{dim}x{dim}x{dim}", "dtype": str(dtype).replace("torch.", ""), "calls": rounds * per_round}
+            "shape": f"{dim}x{dim}x{dim}", "dtype": str(dtype).replace("torch.", ""), "calls": rounds * per_round,
+            "device": "cuda" if cuda else "cpu", "host_cpus": os.cpu_count()}
 
 
 def _busbw_probe(session: _Session, probe_bytes: int | None, budget_end: float, group=None,
@@ -811,6 +817,16 @@ def _judge(session: _Session, params: dict, reports: list[dict | None], joined_s
         low, high = min(rates.values()), max(rates.values())
         spread = (f"{low:.3g}-{high:.3g} TFLOPS per rank" if n > 1 else f"{low:.3g} TFLOPS") + \
             f" ({first['dtype']} {first['shape']} matmuls)"
+        # CPU ranks that outnumber their host's cores time their contention, not themselves
+        crowded = sorted({hosts[r] for r, rep in got.items() if rep.get("compute", {}).get("device") == "cpu"
+                          and sum(1 for h in hosts if h == hosts[r]) > (rep["compute"].get("host_cpus") or 10**9)})
+        if crowded:
+            counts = {h: sum(1 for x in hosts if x == h) for h in crowded}
+            cpus = {hosts[r]: rep["compute"].get("host_cpus") for r, rep in got.items() if hosts[r] in crowded}
+            add(inconclusive("straggler", "CPU ranks outnumber the cores on " + ", ".join(
+                f"{h} ({counts[h]} ranks, {cpus[h]} cores)" for h in crowded)
+                + f", so their speeds measure the crowding, not the ranks: {spread}", measured=rates))
+            rates = {r: v for r, v in rates.items() if hosts[r] not in crowded}
         slow = stragglers(rates, ratio)
         per_host: dict[str, list[float]] = {}
         for r, v in rates.items():
@@ -826,7 +842,7 @@ def _judge(session: _Session, params: dict, reports: list[dict | None], joined_s
         if slow_hosts:
             add(fail("straggler", "straggler node(s): " + "; ".join(
                 f"{h} {v:.3g} TFLOPS per rank against {m:.3g} on the others" for h, v, m in slow_hosts)))
-        if not slow and not slow_hosts:
+        if not slow and not slow_hosts and rates:
             add(ok("straggler", f"no rank below {ratio:g} x the others' median: {spread}"
                    if n > 1 else f"one rank: {spread}", measured=rates))
 
