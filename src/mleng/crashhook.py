@@ -82,10 +82,13 @@ def _hook(kind: type[BaseException], value: BaseException, tb: TracebackType | N
     if shown is not tb and isinstance(value, BaseException):
         value.__traceback__ = shown  # the default hook prints the exception's own traceback
     previous(kind, value, shown)
+    restore = _exit_as_uncaught_on_sigterm()
     try:
         note = explain(value)
     except BaseException:  # noqa: BLE001 - the hook must never add a failure of its own
         note = None
+    finally:
+        restore()
     if note:
         try:
             sys.stderr.write(note + "\n")
@@ -95,6 +98,29 @@ def _hook(kind: type[BaseException], value: BaseException, tb: TracebackType | N
 
 
 _hook._mleng_crash_hook = True  # type: ignore[attr-defined]
+
+
+def _exit_as_uncaught_on_sigterm() -> Callable[[], None]:
+    """While the handbook is searched, a SIGTERM (torchrun stopping the other ranks once one has exited) ends
+    the process with 1, the code of the uncaught exception it is reporting, not with the signal's: the note
+    is given up, the exit code stays what it would have been without the hook."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum, frame):
+        try:
+            sys.stderr.flush()
+        finally:
+            os._exit(1)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except (ValueError, OSError):
+        return lambda: None
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def _without_wrapper(tb: TracebackType | None) -> TracebackType | None:
