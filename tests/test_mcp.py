@@ -370,8 +370,9 @@ def test_a_measurement_reports_progress_and_stops_at_the_cap(world):
 
     with connect(world["home"], world["entries"], "--allow-measure", "--measure-cap", "10") as client:
         started = time.monotonic()
-        pending = client.start("mamf", {"device": "cpu", "max_seconds": 60, "max_dim": 512, "no_store": True},
-                               progress=on_progress)
+        # an exact grid of 512 CPU shapes up to 4096: minutes of work, so the cap, not the search, ends it
+        pending = client.start("mamf", {"device": "cpu", "max_seconds": 120, "grid": ["512:4096:512"], "iters": 3,
+                                        "no_store": True}, progress=on_progress)
         time.sleep(1)
         second = client.call("membw", {"size": "16MiB"})   # one measurement at a time; the server stays up
         assert second.is_error and "measurements run one at a time" in second.content[0].text
