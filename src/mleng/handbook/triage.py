@@ -94,13 +94,32 @@ class _HyperscanScan:
 
     name = "hyperscan"
 
-    def __init__(self, anchors: list[bytes]):
+    def __init__(self, anchors: list[bytes], line_start: dict[int, list[str]] | None = None):
         import hyperscan
 
+        # The anchor of signatures that match only at the start of a line (`^\s*GPU\d+`) is searched
+        # as those signatures themselves, at line starts: as a plain literal a word as short as "gpu"
+        # would hit in every host name. Hyperscan's regex dialect is Perl's; one it cannot compile
+        # falls back to the literal at a line start.
+        line_start = line_start or {}
+        expressions, flags = [], []
+        for i, anchor in enumerate(anchors):
+            literal = re.escape(anchor.decode("latin-1")).encode("latin-1")
+            if i in line_start:
+                regex = "|".join(f"(?:{p})" for p in line_start[i]).encode("utf-8")
+                try:
+                    hyperscan.Database(mode=hyperscan.HS_MODE_BLOCK).compile(
+                        expressions=[regex], flags=[hyperscan.HS_FLAG_CASELESS | hyperscan.HS_FLAG_MULTILINE])
+                except hyperscan.error:
+                    regex = b"^[ \t]*" + literal
+                expressions.append(regex)
+                flags.append(hyperscan.HS_FLAG_CASELESS | hyperscan.HS_FLAG_MULTILINE)
+            else:
+                expressions.append(literal)
+                flags.append(hyperscan.HS_FLAG_CASELESS)
         self._database = hyperscan.Database(mode=hyperscan.HS_MODE_BLOCK)
-        self._database.compile(expressions=[re.escape(a.decode("latin-1")).encode("latin-1") for a in anchors],
-                               ids=list(range(len(anchors))), elements=len(anchors),
-                               flags=[hyperscan.HS_FLAG_CASELESS] * len(anchors))
+        self._database.compile(expressions=expressions, ids=list(range(len(anchors))), elements=len(anchors),
+                               flags=flags)
 
     def hits(self, block: bytes) -> list[tuple[int, int]]:
         found: list[tuple[int, int]] = []
@@ -117,7 +136,7 @@ class _AhoCorasickScan:
 
     name = "aho-corasick"
 
-    def __init__(self, anchors: list[bytes]):
+    def __init__(self, anchors: list[bytes], line_start: dict[int, list[str]] | None = None):
         import ahocorasick_rs
 
         self._automaton = ahocorasick_rs.BytesAhoCorasick(
@@ -133,7 +152,7 @@ class _RegexScan:
 
     name = "re"
 
-    def __init__(self, anchors: list[bytes]):
+    def __init__(self, anchors: list[bytes], line_start: dict[int, list[str]] | None = None):
         self._anchors = {a: i for i, a in enumerate(anchors)}
         self._regex = re.compile(_trie_pattern([a.decode("latin-1") for a in anchors]).encode("latin-1"))
 
@@ -162,14 +181,24 @@ def _trie_pattern(words: list[str]) -> str:
 SCAN_ENGINES = {"hyperscan": _HyperscanScan, "aho-corasick": _AhoCorasickScan, "re": _RegexScan}
 
 
-def _scan_engine(anchors: list[bytes], preferred: str | None = None):
+def _scan_engine(anchors: list[bytes], preferred: str | None = None,
+                 line_start: dict[int, list[str]] | None = None):
     names = [preferred] if preferred else list(SCAN_ENGINES)
     for name in names:
         try:
-            return SCAN_ENGINES[name](anchors)
+            return SCAN_ENGINES[name](anchors, line_start)
         except ImportError:
             continue
-    return _RegexScan(anchors)
+    return _RegexScan(anchors, line_start)
+
+
+_LINE_START_RE = re.compile(r"\^(?:\\s\*|\\s\+|\[ \\t\]\*)?")
+
+
+def _starts_line_with(pattern: str, anchor: str) -> bool:
+    """Whether the regex can only match with `anchor` at the start of a line (after blanks): `^\s*GPU\d+`."""
+    lead = _LINE_START_RE.match(pattern)
+    return bool(lead) and pattern[lead.end():lead.end() + len(anchor)].lower() == anchor
 
 
 class Matcher:
@@ -192,7 +221,10 @@ class Matcher:
                 self.by_anchor[position[anchor.encode("utf-8")]].append(sig)
         # A signature without a literal anchor (the linter refuses them) is tried on every line.
         self.unanchored = [s for s in self.signatures if not s.anchors]
-        self.scan = _scan_engine(words, engine) if words else None
+        # anchor number -> its signatures, for anchors whose every signature starts a line with it
+        self.line_start = {n: [s.pattern for s in self.by_anchor[n]] for n, word in enumerate(words)
+                           if all(_starts_line_with(s.pattern, word.decode("utf-8")) for s in self.by_anchor[n])}
+        self.scan = _scan_engine(words, engine, self.line_start) if words else None
 
     def match_line(self, line: str, candidates: list[Signature]) -> list[tuple[int, int]]:
         """(entry index, matched length) for every entry with a signature matching the line."""
@@ -279,9 +311,14 @@ def triage_stream(stream: BinaryIO, matcher: Matcher, check: bool = True) -> Tri
 
 def _segment(block: bytes, position: int, end: int) -> tuple[int, int]:
     """The '\\n'/'\\r'-delimited part of block[:end] around a position."""
-    start = max(block.rfind(b"\n", 0, position), block.rfind(b"\r", 0, position)) + 1
-    ends = [e for e in (block.find(b"\n", position, end), block.find(b"\r", position, end)) if e != -1]
-    return start, min(ends) if ends else end
+    # '\r' is looked for only inside the '\n' line: searched over the whole block it would cost a pass
+    # over the block per hit in a log without carriage returns.
+    line_start = block.rfind(b"\n", 0, position) + 1
+    line_end = block.find(b"\n", position, end)
+    line_end = end if line_end == -1 else line_end
+    start = block.rfind(b"\r", line_start, position) + 1 or line_start
+    stop = block.find(b"\r", position, line_end)
+    return start, line_end if stop == -1 else stop
 
 
 def _scan_block(block: bytes, end: int, lines_before: int, matcher: Matcher, findings: dict) -> int:
@@ -292,8 +329,12 @@ def _scan_block(block: bytes, end: int, lines_before: int, matcher: Matcher, fin
     candidates: dict[int, list[Signature]] = {}   # segment start -> signatures its anchors point at
     spans: dict[int, int] = {}
     if matcher.scan is not None:
+        # Hyperscan keeps line-start anchors to line starts itself; the fallbacks find the bare literal.
+        line_start = matcher.line_start if matcher.scan.name != "hyperscan" else {}
         for hit_end, anchor in sorted(matcher.scan.hits(view)):
             start, stop = _segment(block, max(0, hit_end - 1), end)
+            if anchor in line_start and block[start:hit_end - len(matcher.anchor_words[anchor])].strip(b" \t"):
+                continue
             sigs = candidates.setdefault(start, [])
             spans[start] = stop
             for sig in matcher.by_anchor[anchor]:
