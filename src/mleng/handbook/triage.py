@@ -196,7 +196,7 @@ _LINE_START_RE = re.compile(r"\^(?:\\s\*|\\s\+|\[ \\t\]\*)?")
 
 
 def _starts_line_with(pattern: str, anchor: str) -> bool:
-    """Whether the regex can only match with `anchor` at the start of a line (after blanks): `^\s*GPU\d+`."""
+    """Whether the regex can only match with `anchor` at the start of a line (after blanks), like ^GPU\\d+."""
     lead = _LINE_START_RE.match(pattern)
     return bool(lead) and pattern[lead.end():lead.end() + len(anchor)].lower() == anchor
 
