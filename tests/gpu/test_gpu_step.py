@@ -20,8 +20,13 @@ def test_flop_counter_with_the_gpu_kernels_agrees_once_its_attention_backward_is
     from mleng.step.flops import flops_per_token
     from mleng.step.model import build
 
+    import dataclasses
+
     torch = torch_cuda
-    cfg, batch, seq = PRESETS["tiny"], 2, 1024
+    # As many KV heads as query heads: FlopCounterMode's SDPA formula refuses grouped-query shapes
+    # ("sdpa_flop_count: query/key/value shapes are incompatible", torch 2.11 on the H200).
+    cfg = dataclasses.replace(PRESETS["tiny"], n_kv_heads=PRESETS["tiny"].n_heads)
+    batch, seq = 2, 1024
     model = build(cfg, seq, device, seed=0)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
     for _ in range(2):  # count the second step
