@@ -187,10 +187,17 @@ def test_under_torchrun_one_note_for_the_job_and_the_ranks_exit_as_without(tmp_p
     assert plain.returncode == hooked.returncode == 1
     assert h_out == p_out
 
-    # rank 0 times out first, the same way with and without the hook; rank 1 then sees its peer gone or times
-    # out itself (a race of the job, not of the hook), so its lines are compared where both runs agree
-    rank0 = [line for line in _without_notes(h_err) if line.startswith("[rank0]")]
-    assert rank0 == [line for line in _without_notes(p_err) if line.startswith("[rank0]")] and rank0
+    # Which rank times out first is a race of the job, not of the hook (on a loaded machine rank 1 can time
+    # out first and rank 0 then see its peer gone), so rank 0's traceback is compared apart from gloo's own
+    # last line, which is one of its two failure messages in either run.
+    def rank0(err: str) -> list[str]:
+        return [line for line in _without_notes(err) if line.startswith("[rank0]")]
+
+    gloo = ("Timed out waiting", "Connection closed by peer")
+    for lines in (rank0(h_err), rank0(p_err)):
+        assert any(word in line for line in lines for word in gloo), lines
+    assert [line for line in rank0(h_err) if "gloo/transport/tcp" not in line] == \
+        [line for line in rank0(p_err) if "gloo/transport/tcp" not in line] and rank0(h_err)
     notes = [line for line in h_err.splitlines() if "mleng: the handbook knows this error" in line]
     assert any(" of 2): collective-mismatch" in n for n in notes), h_err  # whichever rank got there first
     explained = [n.split("): ", 1)[1] for n in notes]
