@@ -561,10 +561,10 @@ def _nvml_sample(session: _Session) -> dict[str, Any]:
         from mleng.machine.nvml import device_from_raw, read_device_raw
     except ImportError as exc:
         return {"reason": f"nvidia-ml-py is not installed ({exc})"}
-    try:
-        pynvml.nvmlInit()
-    except Exception as exc:  # noqa: BLE001
-        return {"reason": f"NVML did not start: {exc}"}
+    from mleng.machine.nvml import nvml
+
+    if nvml()[0] is None:
+        return {"reason": f"NVML did not start: {nvml()[1]}"}
     try:
         index = None
         uuid = info.get("gpu_uuid")
@@ -578,11 +578,6 @@ def _nvml_sample(session: _Session) -> dict[str, Any]:
         return {"device": device_from_raw(read_device_raw(pynvml, index))}
     except Exception as exc:  # noqa: BLE001
         return {"reason": f"NVML could not read this rank's GPU: {exc}"}
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def _gpu_findings(session: _Session, sample: dict) -> list:

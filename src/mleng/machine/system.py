@@ -27,6 +27,18 @@ def read_text(path: str | Path) -> str | None:
         return None
 
 
+def host_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def read_int(path: str | Path) -> int | None:
     text = read_text(path)
     try:

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable
 from mleng.errors import MlengError, NotAvailableError, UsageError
 from mleng.measure.sizes import format_bytes
 from mleng.machine.fingerprint import collect_for_record
+from mleng.machine.system import host_available_bytes
 from mleng.measure.timing import cpu_model_name
 
 TESTS = ("copy", "read", "write", "h2d", "d2h")
@@ -222,16 +223,6 @@ def _row(device: str, test: str, engine: str, size_bytes: int, bytes_moved: int,
 HOST_MARGIN_BYTES = 512 * 2**20  # the process, torch and the cache-flush buffer besides the test buffers
 
 
-def host_available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping), None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def check_host_memory(size_bytes: int, what: str) -> None:

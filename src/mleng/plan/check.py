@@ -6,19 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from mleng.errors import UsageError
+from mleng.machine.system import host_available_bytes
 
 GIB = 2**30
 
 
-def _host_available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def measure_against(arch, setup, estimate: dict[str, Any], device: str | None, store: bool = True,
@@ -39,7 +31,7 @@ def measure_against(arch, setup, estimate: dict[str, Any], device: str | None, s
 
         raise NotAvailableError("--device cuda: torch sees no CUDA GPU here")
     if dev == "cpu":
-        have = _host_available_bytes()
+        have = host_available_bytes()
         need = estimate["allocated_peak_bytes"]
         if have is not None and need > have // 2:
             raise UsageError(f"--measure on this CPU: the estimate is {need / GIB:.2f} GiB and the host has "

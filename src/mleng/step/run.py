@@ -9,6 +9,7 @@ import time
 from typing import Any, Callable
 
 from mleng.errors import CheckFailed, MlengError, UsageError
+from mleng.machine.system import host_available_bytes
 from mleng.step.config import ModelConfig, param_count
 
 PARALLEL = ("none", "ddp", "fsdp")
@@ -120,7 +121,7 @@ def precheck(options: StepOptions, world_size: int, local_ranks: int) -> StepOpt
         if free is not None:
             _refuse_unless_fits(opts.cfg, opts, world_size, free, "the emptiest GPU here", 1)
     else:
-        _refuse_unless_fits(opts.cfg, opts, world_size, _host_available_bytes(), "this host", local_ranks)
+        _refuse_unless_fits(opts.cfg, opts, world_size, host_available_bytes(), "this host", local_ranks)
     if opts.tokens:
         from mleng.step.data import FileTokens
 
@@ -130,28 +131,18 @@ def precheck(options: StepOptions, world_size: int, local_ranks: int) -> StepOpt
 
 
 def _nvml_max_free_bytes() -> int | None:
-    try:
-        import pynvml
+    from mleng.machine.nvml import nvml
 
-        pynvml.nvmlInit()
-        try:
-            return max(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free
-                       for i in range(pynvml.nvmlDeviceGetCount()))
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - no NVML: the rank's own check (torch.cuda.mem_get_info) remains
+    pynvml, _ = nvml()
+    if pynvml is None:  # no NVML: the rank's own check (torch.cuda.mem_get_info) remains
+        return None
+    try:
+        return max(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free
+                   for i in range(pynvml.nvmlDeviceGetCount()))
+    except Exception:  # noqa: BLE001
         return None
 
 
-def _host_available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def check_fits(cfg: ModelConfig, options: StepOptions, world_size: int, device, local_ranks: int) -> None:
@@ -163,7 +154,7 @@ def check_fits(cfg: ModelConfig, options: StepOptions, world_size: int, device, 
         free, _total = torch.cuda.mem_get_info(device)
         _refuse_unless_fits(cfg, options, world_size, free, f"{device} ({torch.cuda.get_device_name(device)})", 1)
     else:
-        _refuse_unless_fits(cfg, options, world_size, _host_available_bytes(), "this host", local_ranks)
+        _refuse_unless_fits(cfg, options, world_size, host_available_bytes(), "this host", local_ranks)
 
 
 def _refuse_unless_fits(cfg: ModelConfig, options: StepOptions, world_size: int, have: int | None, where: str,
@@ -472,17 +463,14 @@ def _memory(device, uuid: str | None) -> dict[str, Any]:
 
 def _nvml_memory(device, uuid: str | None) -> dict[str, Any]:
     """NVML's used memory of this GPU: every process on it and the CUDA context, unlike the allocator's."""
-    try:
-        import pynvml
+    from mleng.machine.nvml import gpu_handle, nvml
 
-        pynvml.nvmlInit()
-        try:
-            handle = (pynvml.nvmlDeviceGetHandleByUUID(uuid) if uuid
-                      else pynvml.nvmlDeviceGetHandleByIndex(device.index or 0))
-            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            return {"nvml_used_bytes": int(info.used), "nvml_total_bytes": int(info.total)}
-        finally:
-            pynvml.nvmlShutdown()
+    pynvml, reason = nvml()
+    if pynvml is None:
+        return {"nvml_error": reason}
+    try:
+        info = pynvml.nvmlDeviceGetMemoryInfo(gpu_handle(pynvml, uuid=uuid, index=device.index))
+        return {"nvml_used_bytes": int(info.used), "nvml_total_bytes": int(info.total)}
     except Exception as exc:  # noqa: BLE001
         return {"nvml_error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__}
 

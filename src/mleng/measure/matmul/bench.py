@@ -138,13 +138,9 @@ def free_memory_bytes(device) -> int | None:
     if device.type == "xpu" and hasattr(torch.xpu, "mem_get_info"):
         return int(torch.xpu.mem_get_info(device)[0])
     if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            return None
+        from mleng.machine.system import host_available_bytes
+
+        return host_available_bytes()
     return None
 
 
