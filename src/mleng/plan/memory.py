@@ -552,7 +552,8 @@ def _training_assumptions(arch: Arch, s: TrainSetup, notes: dict[str, Any], cont
     if s.gpus > 1:
         out.append(f"NCCL buffers and communicator {nccl / GIB:.2f} GiB ({ov.get('nccl_note', 'assumed')}) "
                    "(--nccl-gib)")
-    out.append(f"fragmentation margin {frag * 100:.0f}% of the allocated peak ({ov.get('fragmentation_note', 'assumed')}) "
+    out.append(f"fragmentation margin {frag * 100:.0f}% of the allocated peak ({ov.get('fragmentation_note', 'assumed')}; "
+               "the table's allocated peak is what torch.cuda.max_memory_allocated reports) "
                "(--fragmentation)")
     out.extend(arch.notes)
     return out
