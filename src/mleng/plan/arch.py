@@ -8,7 +8,6 @@ Torch-free: a bad config is refused before anything heavy loads. `mleng step` bu
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -218,17 +217,9 @@ def resolve(model: str, layers: int | None = None) -> Arch:
 
 
 def load_config_file(path: Path) -> Arch:
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
-        raise UsageError(f"{path} is a folder without a config.json", hint="give the config.json file")
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{file}: cannot read it ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{file} is not JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"{file}: expected a JSON object (a Hugging Face config.json)")
+    from mleng.step.config import read_config_json
+
+    data, file = read_config_json(path, str(path))
     return from_hf(data, name=file.parent.name or file.stem, where=str(file))
 
 

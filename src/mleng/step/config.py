@@ -106,20 +106,27 @@ def load_config_file(path: str) -> ModelConfig:
     file = Path(path).expanduser()
     if not file.exists():
         raise UsageError(f"--config {path}: no such file", hint="give the path of a local config.json")
+    data, file = read_config_json(file, f"--config {path}")
+    return config_from_hf(data, name=file.parent.name or file.stem, where=str(file))
+
+
+def read_config_json(path: Path, label: str) -> tuple[dict[str, Any], Path]:
+    """The JSON object of a local config.json (or of the one in a folder), and the file it came from;
+    every problem is one UsageError starting with `label` (what the user typed)."""
+    file = path
     if file.is_dir():
-        if (file / "config.json").is_file():
-            file = file / "config.json"
-        else:
-            raise UsageError(f"--config {path} is a folder without a config.json", hint="give the config.json file")
+        if not (file / "config.json").is_file():
+            raise UsageError(f"{label} is a folder without a config.json", hint="give the config.json file")
+        file = file / "config.json"
     try:
         data = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--config {path}: cannot read it ({exc})") from None
+        raise UsageError(f"{label}: cannot read it ({exc})") from None
     except json.JSONDecodeError as exc:
-        raise UsageError(f"--config {path} is not JSON ({exc.msg} at line {exc.lineno})") from None
+        raise UsageError(f"{label} is not JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(data, dict):
-        raise UsageError(f"--config {path}: expected a JSON object (an HF config.json)")
-    return config_from_hf(data, name=file.parent.name or file.stem, where=str(file))
+        raise UsageError(f"{label}: expected a JSON object (a Hugging Face config.json)")
+    return data, file
 
 
 def config_from_hf(data: dict[str, Any], name: str = "config", where: str = "config.json") -> ModelConfig:
