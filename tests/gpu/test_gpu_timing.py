@@ -67,11 +67,9 @@ def test_flush_buffer_is_twice_the_devices_l2(torch_cuda, device):
 
     props = torch_cuda.cuda.get_device_properties(device)
     assert timing.cache_bytes(device) == props.L2_cache_size > 2**20
-    timing.release_flush_buffers()
     buffer = timing.flush_buffer(device)
     assert buffer.device.type == "cuda" and buffer.numel() == max(2 * props.L2_cache_size, 8 * 2**20)
     assert timing.flush_buffer("cuda:0") is buffer  # one per device, reused
-    timing.release_flush_buffers()
 
 
 def test_sync_waits_for_queued_work(torch_cuda, device):

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from mleng.errors import UsageError
+from mleng.measure.sizes import format_gib
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -129,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
         print_json(out)
     elif out["mode"] == "step-comparison":
         print(f"step run {out['id']} ({out['parallel']}, {out['world_size']} rank(s), compile {out['compile']}): "
-              f"measured peak {_gib(out['measured_peak_bytes'])} GiB allocated, estimated "
-              f"{_gib(out['estimated_peak_bytes'])} GiB: error {out['error_pct']:+.1f}%")
+              f"measured peak {format_gib(out['measured_peak_bytes'])} allocated, estimated "
+              f"{format_gib(out['estimated_peak_bytes'])}: error {out['error_pct']:+.1f}%")
     else:
         print(render(out))
     return 0
@@ -184,10 +185,6 @@ def _calibrate(args) -> int:
     return 0
 
 
-def _gib(n: float | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f}"
-
-
 def render(out: dict) -> str:
     from mleng.cli.render import table
 
@@ -217,7 +214,7 @@ def render(out: dict) -> str:
         lines.append("")
         verdict = "FITS" if gpu["fits"] else "DOES NOT FIT"
         need = out.get("total_bytes", out.get("fixed_bytes"))
-        lines.append(f"{gpu['name']}: {verdict}: needs {_gib(need)} GiB of {gpu['usable_gib']} GiB usable "
+        lines.append(f"{gpu['name']}: {verdict}: needs {format_gib(need)} of {gpu['usable_gib']} GiB usable "
                      f"(headroom {gpu['headroom_gib']} GiB)")
         lines.append(f"  usable = device total {gpu['device_total_gib']} GiB - {gpu['driver_reserved_gib']} GiB the "
                      f"driver holds with no process; from: {gpu['usable_source']}")
@@ -228,7 +225,7 @@ def render(out: dict) -> str:
             lines.append(f"  largest micro-batch that fits at seq {out['setup']['seq']}: "
                          + (f"{mb}" if mb else "none (not even 1)"))
         else:
-            lines.append(f"  KV cache room: {_gib(gpu['kv_cache_bytes'])} GiB = {gpu['max_concurrent_tokens']:,} "
+            lines.append(f"  KV cache room: {format_gib(gpu['kv_cache_bytes'])} = {gpu['max_concurrent_tokens']:,} "
                          "concurrent tokens")
     else:
         lines.append("")
@@ -236,12 +233,12 @@ def render(out: dict) -> str:
     m = out.get("measured")
     if m:
         lines.append("")
-        lines.append(f"measured on {m['device']}: peak {_gib(m['measured_peak_bytes'])} GiB vs estimated "
-                     f"{_gib(m['estimated_peak_bytes'])} GiB allocated: error {m['error_pct']:+.1f}% "
+        lines.append(f"measured on {m['device']}: peak {format_gib(m['measured_peak_bytes'])} vs estimated "
+                     f"{format_gib(m['estimated_peak_bytes'])} allocated: error {m['error_pct']:+.1f}% "
                      f"({m['tracking']})" + (f"; stored as {m['id']}" if m.get("id") else ""))
         if m.get("reserved_peak_bytes"):
-            lines.append(f"  reserved peak {_gib(m['reserved_peak_bytes'])} GiB vs estimated allocated + "
-                         f"fragmentation {_gib(m['estimated_reserved_bytes'])} GiB")
+            lines.append(f"  reserved peak {format_gib(m['reserved_peak_bytes'])} vs estimated allocated + "
+                         f"fragmentation {format_gib(m['estimated_reserved_bytes'])}")
     lines.append("")
     lines.append("assumptions (each a flag):")
     lines.extend(f"  - {a}" for a in out["assumptions"])

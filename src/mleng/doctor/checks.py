@@ -14,7 +14,7 @@ from mleng.doctor.findings import Finding, fail, inconclusive, ok, skipped, warn
 from mleng.machine.nvml import FAULT_REASONS, nvlink_summary, pcie_link_check, slowdown_reasons
 from mleng.machine.system import format_cpulist, parse_cpulist
 
-GIB = 2**30
+from mleng.measure.sizes import GIB
 # Bands that say what is normal. MAMF efficiency against the datasheet: the book's measured
 # table spans 72-87% on NVIDIA parts (H100 SXM 80.3%, B200 77.6%), 51-68% on AMD, 74-97% on Gaudi.
 MATMUL_BANDS = {"nvidia": (0.72, 0.60), "amd": (0.50, 0.40), "intel": (0.70, 0.55), "default": (0.65, 0.50)}

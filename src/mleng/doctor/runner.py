@@ -13,9 +13,6 @@ from mleng.doctor import checks
 from mleng.doctor.findings import SEVERITY_RANK, Finding, inconclusive, worst
 from mleng.results.record import Measurement
 
-TIERS = ("quick", "default", "full")
-
-
 def _measurement_plan(tier: str, has_gpu: bool, checkpoint_dir: str) -> list[tuple[str, list[str], float]]:
     """(name, mleng argv, timeout_s) per quick measurement; sizes grow with the tier."""
     # On a GPU the budget counts CUDA start-up too: below ~20 s the search barely leaves its coarse sweep.

@@ -460,8 +460,6 @@ def reference_rate(backend: str, ranks: list[dict], machine: dict | None = None,
             from mleng.specs import lookup_accelerator
 
             acc = lookup_accelerator(name)
-        except ImportError:
-            return None, "mleng.specs is not available in this installation"
         except Exception as exc:
             return None, f"no spec entry for {name} ({str(exc).splitlines()[0]})"
         gbps = getattr(acc, "intra_node_gbps", None)

@@ -17,6 +17,8 @@ _UNITS = {
     "g": 2**30, "gb": 10**9, "gib": 2**30,
     "t": 2**40, "tb": 10**12, "tib": 2**40,
 }
+GIB = 2**30  # the one constant for "/ GIB" arithmetic in estimates and messages
+
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -50,3 +52,8 @@ def format_bytes(n: float | None) -> str:
             value = n / scale
             return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
     return f"{n:.0f} B"
+
+
+def format_gib(n: float | None, digits: int = 2) -> str:
+    """Fixed GiB for columns and messages that compare sizes side by side (12.34 GiB); '-' for a missing value."""
+    return "-" if n is None else f"{n / GIB:.{digits}f} GiB"

@@ -172,10 +172,6 @@ def flush_buffer(device: Any):
     return _flush_buffers[key]
 
 
-def release_flush_buffers() -> None:
-    _flush_buffers.clear()
-
-
 def time_fn(fn: Callable[[], Any], *, device: Any, warmup: int = 3, iters: int = 10,
             flush_l2: bool = True, setup: Callable[[], Any] | None = None,
             warmup_s: float = 0.0, idle_before_s: float = 0.0) -> TimingStats:

@@ -8,7 +8,7 @@ from typing import Any
 from mleng.errors import UsageError
 from mleng.machine.system import host_available_bytes
 
-GIB = 2**30
+from mleng.measure.sizes import GIB
 
 
 

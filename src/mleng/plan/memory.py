@@ -22,7 +22,7 @@ from typing import Any
 from mleng.errors import UsageError
 from mleng.plan.arch import Arch
 
-GIB = 2**30
+from mleng.measure.sizes import GIB
 DATA_DIR = Path(__file__).parent / "data"
 COEFFICIENTS_FILE = DATA_DIR / "activation_coefficients.toml"
 DEVICES_FILE = DATA_DIR / "device_memory.toml"

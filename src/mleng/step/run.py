@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from mleng.errors import CheckFailed, MlengError, UsageError
 from mleng.machine.system import host_available_bytes
+from mleng.measure.sizes import format_gib
 from mleng.step.config import ModelConfig, param_count
 
 PARALLEL = ("none", "ddp", "fsdp")
@@ -105,10 +106,6 @@ def state_bytes(cfg: ModelConfig, parallel: str, world_size: int) -> int:
     return max(held, 4 * params)
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
 def precheck(options: StepOptions, world_size: int, local_ranks: int) -> StepOptions:
     """Everything that can be refused before any rank starts and without torch: the defaults of this
     machine filled in, the fit of the model's states (NVML or /proc/meminfo), the tokens file."""
@@ -172,8 +169,8 @@ def _refuse_unless_fits(cfg: ModelConfig, options: StepOptions, world_size: int,
         hint += "; or --parallel fsdp across more GPUs to shard them"
     raise UsageError(
         f"model {cfg.name} ({param_count(cfg).total / 1e9:.2f} B parameters) cannot fit: weights, gradients and "
-        f"AdamW states need {_gib(need)} per rank{' x ' + str(ranks_here) + ' ranks' if ranks_here > 1 else ''}"
-        f" before any activation, and {where} has {_gib(have)} free", hint=hint)
+        f"AdamW states need {format_gib(need, 1)} per rank{' x ' + str(ranks_here) + ' ranks' if ranks_here > 1 else ''}"
+        f" before any activation, and {where} has {format_gib(have, 1)} free", hint=hint)
 
 
 @dataclasses.dataclass
@@ -538,8 +535,8 @@ def _oom(exc: BaseException, opts: StepOptions, state: RankState, device, world:
     phase = {"warmup": "warm-up", "timed": "the timed steps", "profile": "the profiled steps"}.get(state.phase,
                                                                                                    state.phase)
     message = (f"out of memory during {phase} (step {len(state.steps)}): {first}; this run holds "
-               f"{_gib(states)} of weights, gradients and AdamW states per rank before activations"
-               + (f", peak allocated {_gib(peak)}" if peak else ""))
+               f"{format_gib(states, 1)} of weights, gradients and AdamW states per rank before activations"
+               + (f", peak allocated {format_gib(peak, 1)}" if peak else ""))
     hint = (f"--checkpointing (recompute activations), a smaller --micro-batch or --seq, --layers N, or "
             f"--parallel fsdp over more GPUs; `mleng handbook show {OOM_HANDBOOK}`")
     return UsageError(message, hint=hint)
