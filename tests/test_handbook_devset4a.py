@@ -1,0 +1,60 @@
+"""Dev set 4a (training-stack queries: HF Trainer/accelerate, DeepSpeed, FSDP, Lightning, torch.compile,
+checkpoint loading, attention kernels, NCCL/driver versions): well-formed, labelled with real entries, and
+`mleng ask` keeps finding the right entry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from mleng.handbook.index import open_index
+from mleng.handbook.model import load_entries
+from mleng.handbook.search import evaluate
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRIES = ROOT / "src" / "mleng" / "handbook" / "entries"
+DEVSET4A = ROOT / "tests" / "handbook_devset4a.yaml"
+
+# Measured on this set once the gaps were filled: hit@1 0.951, hit@3 0.976 (41 queries). The set guided
+# the new entries and symptom lines, so these are not unseen-query numbers; the floor catches regressions.
+MIN_HIT_AT_3 = 0.92
+
+
+def _cases() -> list[dict]:
+    return yaml.safe_load(DEVSET4A.read_text())
+
+
+def test_devset4a_is_real_and_labelled():
+    cases = _cases()
+    ids = {e.id for e in load_entries(ENTRIES)[0]}
+    assert len(cases) >= 40
+    for case in cases:
+        assert case["source"].startswith("https://"), case
+        assert case["cause"].strip(), case["source"]
+        assert isinstance(case["expected"], list) and case["expected"], f"no entry named for {case['source']}"
+        for entry_id in case["expected"]:
+            assert entry_id in ids, f"dev set 4a names {entry_id!r}, which is not an entry"
+    assert len({c["query"].strip() for c in cases}) == len(cases), "duplicate queries"
+    assert len({c["source"] for c in cases}) == len(cases), "two cases from one thread"
+
+
+def test_devset4a_gap_cases_name_the_entries_written_for_them():
+    gaps = [c for c in _cases() if c.get("added_after")]
+    assert gaps, "the cases that had no entry when the set was collected are marked added_after"
+    for case in gaps:
+        text = "".join((ENTRIES / f"{entry_id}.md").read_text() for entry_id in case["expected"])
+        assert case["source"] in text, f"{case['expected']} should cite the thread it was written from"
+
+
+def test_search_quality_on_devset4a(tmp_path):
+    cases = _cases()
+    index = open_index(ENTRIES, tmp_path / "idx.sqlite")
+    try:
+        result = evaluate(cases, index, depth=3)
+    finally:
+        index.close()
+    print(f"\ndev set 4a: {result['cases']} queries, hit@1 {result['hit_at_1']:.3f}, hit@3 {result['hit_at_3']:.3f}")
+    misses = [f"{'/'.join(c['expected'])} <- {r['query'][:80]!r} (got {r['got']})"
+              for c, r in zip(cases, result["rows"]) if not r["position"]]
+    assert result["hit_at_3"] >= MIN_HIT_AT_3, "\n".join(misses)
