@@ -64,6 +64,7 @@ SCRIPT = r"""
 (function () {
   var D = JSON.parse(document.getElementById('index-data').textContent);
   var C = D.config, Q = D.query;
+  var GPUNUM = new Set(Q.gpu_model_numbers);
   var STOP = new Set(Q.stopwords), CANON = new Map(Q.canonical), DOMAIN = new Set(Q.domain);
   var BRIT = new RegExp(Q.british), PHRASES = Q.phrases.map(function (p) { return [new RegExp(p[0], 'g'), p[1]]; });
   var TOKEN = /[\p{L}\p{N}\p{M}]+/gu, HEX = new RegExp('^(?:' + Q.hex + ')$'), LD = new RegExp('^(?:' + Q.letters_digits + ')$');
@@ -124,16 +125,18 @@ SCRIPT = r"""
   // --- terms.py ---
   function isDigits(t) { return /^[0-9]+$/.test(t); }
   function tokenTerms(token) {
+    if (GPUNUM.has(token)) return [token];
     if (token.length < 2 || isDigits(token) || STOP.has(token)) return [];
     if (/^[0-9]/.test(token) && (token.match(/\p{L}/gu) || []).length < 2) return [];
     if (token.indexOf('0x') === 0 || (token.length >= 6 && HEX.test(token))) return [];
     var b = BRIT.exec(token); if (b) token = b[1] + 'iz' + b[2];
     var c = CANON.get(token); if (c) return [token, c];
-    var m = LD.exec(token); if (m && !STOP.has(m[1])) return [token, m[1]];
+    var m = LD.exec(token);
+    if (m && !STOP.has(m[1])) { var n = token.slice(m[1].length); return GPUNUM.has(n) ? [token, m[1], n] : [token, m[1]]; }
     return [token];
   }
   function terms(text) {
-    text = text.toLowerCase().replace(SYSPATH, function (m) { return m.split('/').join(' '); }).replace(PATH, ' ');
+    text = text.toLowerCase().replace(SYSPATH, function (m) { return m.split('/').join(' ') + ' ' + m.split('/').slice(1, 3).join(''); }).replace(PATH, ' ');
     PHRASES.forEach(function (p) { text = text.replace(p[0], p[1]); });
     var out = []; (text.match(TOKEN) || []).forEach(function (t) { tokenTerms(t).forEach(function (x) { out.push(x); }); });
     return out;
@@ -444,7 +447,7 @@ def search_data(entries: list[dict]) -> dict:
     for pattern, template in T._CODE_PATTERNS:
         source, flags = js_regex(pattern.pattern)
         codes.append([source, flags + ("i" if pattern.flags & re.I else ""), template])
-    query = {"stopwords": sorted(T.STOPWORDS), "canonical": sorted(T._CANONICAL.items()),
+    query = {"stopwords": sorted(T.STOPWORDS), "gpu_model_numbers": sorted(T.GPU_MODEL_NUMBERS), "canonical": sorted(T._CANONICAL.items()),
              "british": T._BRITISH_RE.pattern, "phrases": [[p.pattern, r] for p, r in T._PHRASES],
              "hex": T._HEX_RE.pattern, "letters_digits": T._LETTERS_DIGITS_RE.pattern,
              "system_path": T._SYSTEM_PATH_RE.pattern, "path": T._PATH_RE.pattern,

@@ -22,7 +22,8 @@ have having he her here hers him his how i if in into is it its itself just me m
 nor not now of off on once only or other our ours out over own same she should so some such than that
 the their theirs them then there these they this those through to too under until up very was we were
 what when where which while who whom why will with would you your yours yourself get got getting
-still even however seems seem like using use used one two also via per etc eg ie
+still even however seems seem like using use used one two also via per etc eg ie gets
+try tries tried trying want wants wanted able someone anybody something anything really actually maybe
 hi hello thanks thank please help anyone know issue question problem happens happened happening
 traceback recent call last file line most self return raise raised module main
 usr opt home local lib lib64 site packages dist conda miniconda anaconda envs env venv bin python python3
@@ -41,14 +42,26 @@ _PATH_RE = re.compile(r"(?<!\S)[^\s/\\]*(?:[/\\][^\s/\\]*)*[/\\](?=[\w.-])")
 _SYSTEM_PATH_RE = re.compile(r"(?<![\w/])/(?:dev|proc|sys|etc|run)/[^\s'\"]*")
 
 
+# Consumer GPUs are named by a bare number ("multiple 4090s", "RTX 3090"); other pure numbers are dropped.
+GPU_MODEL_NUMBERS = frozenset("1050 1060 1070 1080 1650 1660 2060 2070 2080 3050 3060 3070 3080 3090 "
+                              "4060 4070 4080 4090 5060 5070 5080 5090".split())
+
+
+def _system_path(match: re.Match) -> str:
+    """/dev/shm/nccl-1 -> 'dev shm nccl-1 devshm': its words, and its first two directories as one term."""
+    path = match.group(0)
+    return path.replace("/", " ") + " " + "".join(path.split("/")[1:3])
+
+
 def terms(text: str) -> list[str]:
-    """Lowercase search terms, in text order: no numbers, hex, pids, directories or stopwords.
+    """Lowercase search terms, in text order: no numbers (but consumer GPU model numbers), hex, pids,
+    directories or stopwords.
 
     A token of letters followed by digits (rank3, node017, eth0) also yields its letter part, so
     concrete instance numbers in a pasted log do not stop it matching an entry's generic words.
     """
     out: list[str] = []
-    text = _SYSTEM_PATH_RE.sub(lambda m: m.group(0).replace("/", " "), text.lower())
+    text = _SYSTEM_PATH_RE.sub(_system_path, text.lower())
     text = _PATH_RE.sub(" ", text)
     for pattern, replacement in _PHRASES:
         text = pattern.sub(replacement, text)
@@ -85,6 +98,8 @@ _PHRASES = [(re.compile(r"\blow[\s-]+speed\b"), "slow"), (re.compile(r"\bblows?[
 
 @functools.lru_cache(maxsize=1 << 16)
 def _token_terms(token: str) -> tuple[str, ...]:
+    if token in GPU_MODEL_NUMBERS:
+        return (token,)
     if len(token) < 2 or token.isdigit() or token in STOPWORDS:
         return ()
     if token[0].isdigit() and sum(c.isalpha() for c in token) < 2:
@@ -99,7 +114,8 @@ def _token_terms(token: str) -> tuple[str, ...]:
         return token, canonical
     match = _LETTERS_DIGITS_RE.fullmatch(token)
     if match and match.group(1) not in STOPWORDS:
-        return token, match.group(1)
+        number = token[len(match.group(1)):]
+        return (token, match.group(1), number) if number in GPU_MODEL_NUMBERS else (token, match.group(1))
     return (token,)
 
 
