@@ -41,13 +41,14 @@ def rank_main(args) -> None:
 
     from mleng.distributed.group import join, leave
     from mleng.distributed.launch import detect
-    from mleng.measure.collectives import OPS, Settings, measure_size, parse_bytes
+    from mleng.measure.collectives import OPS, Settings, measure_size
+    from mleng.measure.sizes import parse_size
 
     launch = detect()
     job = join(launch, "gloo", "cpu", 120.0)
     results = []
     for text in args.sizes.split(","):
-        size = parse_bytes(text)
+        size = parse_size(text)
         tensor = torch.randn(size // 4)
         settings = Settings(ops=["all_reduce"], sizes=[size], iters=args.iters, warmup=args.warmup, repeats=1)
         mleng_s, bare_s = [], []
@@ -78,7 +79,7 @@ def main() -> int:
         return 0
 
     from mleng.distributed.launch import free_port
-    from mleng.measure.collectives import format_bytes
+    from mleng.measure.sizes import format_bytes
 
     port = free_port()
     procs = []

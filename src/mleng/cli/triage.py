@@ -35,15 +35,7 @@ def result(args: argparse.Namespace, index=None) -> dict:
 
     # Bad input is refused before the index is opened (and perhaps built).
     if args.logfile == "-":
-        from mleng.handbook.triage import check_text, compression
-
-        head = sys.stdin.buffer.peek(8192)[:8192]
-        if compression(head) is None:
-            try:
-                check_text(head)
-            except NotText as exc:
-                raise UsageError(f"<stdin> is not a text log: {exc}",
-                                 hint="pass the job's text log (plain, .gz, .xz, .bz2 or .zst)") from None
+        _refuse_unless_text(sys.stdin.buffer.peek(8192)[:8192], "<stdin>")
     else:
         _check_log(args.logfile)
     opened = open_index() if index is None else index
@@ -77,8 +69,6 @@ def result(args: argparse.Namespace, index=None) -> dict:
 
 
 def _check_log(path: str) -> None:
-    from mleng.handbook.triage import NotText, check_text, compression
-
     if os.path.isdir(path):
         raise UsageError(f"{path} is a directory", hint="pass a log file inside it")
     try:
@@ -87,11 +77,18 @@ def _check_log(path: str) -> None:
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror or exc}",
                          hint="pass a readable log file, or '-' to read stdin") from None
+    _refuse_unless_text(head, path)
+
+
+def _refuse_unless_text(head: bytes, name: str) -> None:
+    """A compressed log is read through its decompressor; anything else must look like text."""
+    from mleng.handbook.triage import NotText, check_text, compression
+
     if compression(head) is None:
         try:
             check_text(head)
         except NotText as exc:
-            raise UsageError(f"{path} is not a text log: {exc}",
+            raise UsageError(f"{name} is not a text log: {exc}",
                              hint="pass the job's text log (plain, .gz, .xz, .bz2 or .zst)") from None
 
 

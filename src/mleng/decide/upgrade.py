@@ -12,8 +12,8 @@ import math
 from typing import Any
 
 from mleng.errors import UsageError
-
 from mleng.measure.sizes import GIB
+
 # The book's measured memory model for Llama-3.1-8B with ZeRO-3, activation checkpointing, CPU
 # AdamW offload and Liger-Kernel: peak ~= 12.6 GiB + 0.00043 GiB per token, the same on both GPUs.
 REFERENCE_PARAMS = 8e9

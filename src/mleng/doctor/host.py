@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from mleng.doctor.findings import Finding, fail, inconclusive, ok, warn
-
 from mleng.measure.sizes import GIB
+
 # imbue-ai/cluster-health fails a host with any file system 95% full (health_checks.py DiskSpaceHealthCheck)
 DISK_FULL_FRACTION = 0.95
 # File systems that hold no files of a job: kernel interfaces, memory-backed and container plumbing.
