@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
 import inspect
 import sys
 import textwrap
@@ -34,6 +36,10 @@ SECTIONS = [
                 ("mleng.CheckFailed", "mleng.errors:CheckFailed"),
                 ("mleng.NotAvailableError", "mleng.errors:NotAvailableError"),
                 ("mleng.StoreError", "mleng.errors:StoreError")]),
+    # Read from their source ("source:"), so the page is the same with or without the frameworks installed.
+    ("Callbacks for training frameworks (optional extras)", [
+        ("mleng.integrations.hf.MlengCallback", "source:mleng.integrations.hf:MlengCallback"),
+        ("mleng.integrations.lightning.MlengCallback", "source:mleng.integrations.lightning:MlengCallback")]),
     ("Types of the handbook answers", [("mleng.api.Answer", "mleng.api:Answer"), ("mleng.api.Match", "mleng.api:Match"),
                                        ("mleng.api.TriageReport", "mleng.api:TriageReport"),
                                        ("mleng.api.TriageFinding", "mleng.api:TriageFinding")]),
@@ -140,11 +146,32 @@ def _class(name: str, obj) -> list[str]:
     return lines + [""]
 
 
+def _from_source(name: str, target: str) -> list[str]:
+    """A class of a module that imports an optional framework: its docstring and hooks from the source, its
+    constructor from the framework-free base it names first (`from mleng... import Base`)."""
+    module, _, attribute = target.partition(":")
+    tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())  # the module is not run
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == attribute)
+    imported = {a.asname or a.name: f"{n.module}:{a.name}" for n in tree.body if isinstance(n, ast.ImportFrom)
+                and (n.module or "").startswith("mleng") for a in n.names}
+    base = next(imported[b.id] for b in node.bases if isinstance(b, ast.Name) and b.id in imported)
+    heading = _parameters(inspect.signature(_resolve(base).__init__), skip_first=True).split(" -> ")[0]
+    lines = [f"### `{name}{heading}`", "", textwrap.dedent(ast.get_docstring(node) or "").strip(), ""]
+    for item in node.body:
+        if isinstance(item, ast.FunctionDef) and not item.name.startswith("_"):
+            args = ast.unparse(item.args).split(", ", 1)[1:]  # without self
+            lines.append(f"- `{name}.{item.name}({args[0] if args else ''})`")
+    return lines + [""]
+
+
 def render() -> str:
     out = [HEADER]
     for title, names in SECTIONS:
         out += [f"## {title}", ""]
         for name, target in names:
+            if target.startswith("source:"):
+                out += _from_source(name, target.removeprefix("source:"))
+                continue
             obj = _resolve(target)
             if name.startswith("python -m"):
                 out += [f"### `{name} SCRIPT [ARGS...]`", "", _doc(importlib.import_module("mleng.run")), ""]
