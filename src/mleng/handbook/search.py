@@ -238,7 +238,7 @@ def search(index: Index, query: str, limit: int = 5) -> dict:
 
 SHORT_QUERY_TERMS = 5
 # An entry about one framework, for a query that does not name it and matches none of its signatures.
-OTHER_FRAMEWORK_FACTOR = 0.5
+OTHER_FRAMEWORK_FACTOR = 0.7
 GENERAL_WEIGHT = 0.35
 # Codes specific enough that sharing one names the problem (an Xid, a CUDA or NCCL error number).
 SPECIFIC_CODE_KINDS = ("xid ", "cuda error ", "nccl error ", "vendor err ")
