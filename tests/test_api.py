@@ -134,7 +134,7 @@ def test_measurements_return_the_record_the_cli_stores(tmp_path):
     assert record.summary["best_shape"] == "128x128x128" and record.summary["tflops_median"] > 0
     with mleng.results.Store() as store:
         assert store.get(record.id).to_dict() == json.loads(json.dumps(record.to_dict(), default=str))
-    storage = mleng.io(tmp_path, size="4MiB", jobs=1, duration=0.2, workloads="ckpt-save", engine="native",
+    storage = mleng.io(tmp_path, size="4MiB", jobs=1, duration=0.2, op="ckpt-save", engine="native",
                        no_store=True)
     assert storage.kind == "storage" and [r["workload"] for r in storage.rows] == ["ckpt-save"]
     doctor = mleng.doctor(no_measure=True, no_store=True)
@@ -152,3 +152,15 @@ def test_check_runs_its_own_ranks_and_returns_their_record():
         mleng.check(nproc=1, timeout=30, alloc_gib=10**6)  # the CLI's exit 1: its error, the record with it
     assert caught.value.measurement.kind == "connectivity"
     assert caught.value.hint == "look at the ranks and hosts named above"
+
+
+def test_one_selector_flag_and_the_old_spellings_hidden():
+    """--op chooses sub-benchmarks everywhere; membw's --tests and io's --workloads still parse, unadvertised."""
+    from mleng.mcp.tools import BY_NAME, options
+
+    for command, old, positional in (("membw", "--tests", []), ("io", "--workloads", ["/tmp"])):
+        parser = api._command_parser(command)
+        assert parser.parse_args([*positional, old, "a,b", "--op", "c"]).op == ["a,b", "c"]
+        assert old not in parser.format_help() and "--op" in parser.format_help()
+        assert "op" in api.command_options(command) and old[2:] not in api.command_options(command)
+    assert "op" in options(BY_NAME["membw"]) and "tests" not in options(BY_NAME["membw"])

@@ -222,8 +222,10 @@ CASES = [
     C("membw-size-text", "membw", "--size", "lots", message="lots"),
     C("membw-size-zero", "membw", "--size", "0", message="--size"),
     C("membw-size-negative", "membw", "--size", "-1G", message="--size"),
-    C("membw-tests-unknown", "membw", "--tests", "copy,fly", message="unknown test(s) fly"),
-    C("membw-tests-h2d-on-cpu", "membw", "--tests", "h2d", "--no-store", message="need a CUDA GPU"),
+    C("membw-op-unknown", "membw", "--op", "copy,fly", message="unknown test(s) fly"),
+    C("membw-op-empty", "membw", "--op", ",", message="unknown test(s) (none given)"),
+    C("membw-tests-unknown", "membw", "--tests", "copy,fly", message="unknown test(s) fly"),  # the old name
+    C("membw-op-h2d-on-cpu", "membw", "--op", "h2d", "--no-store", message="need a CUDA GPU"),
     C("membw-engine-triton-on-cpu", "membw", "--engine", "triton", "--no-store", message="--engine triton runs on CUDA"),
     C("membw-engine-triton-on-cpu-json", "membw", "--json", "--engine", "triton", "--no-store", message="--engine triton"),
     C("membw-engine-choice", "membw", "--engine", "cuda", message="invalid choice: 'cuda'"),
@@ -248,8 +250,10 @@ CASES = [
     C("io-jobs-0", "io", "{tmp}/dir", "--jobs", "0", message="--jobs must be at least 1"),
     C("io-files-0", "io", "{tmp}/dir", "--files", "0", message="--files must be at least 1"),
     C("io-duration-0", "io", "{tmp}/dir", "--duration", "0", message="--duration must be positive"),
-    C("io-workloads-unknown", "io", "{tmp}/dir", "--size", "8M", "--workloads", "fly", "--no-store",
+    C("io-op-unknown", "io", "{tmp}/dir", "--size", "8M", "--op", "fly", "--no-store",
       message="unknown workload(s) fly"),
+    C("io-workloads-unknown", "io", "{tmp}/dir", "--size", "8M", "--workloads", "fly", "--no-store",
+      message="unknown workload(s) fly"),  # the old name
     C("io-engine-choice", "io", "{tmp}/dir", "--engine", "dd", message="invalid choice: 'dd'"),
     C("io-baseline-choice", "io", "{tmp}/dir", "--baseline", "nfs", message="invalid choice: 'nfs'"),
     # --- comm: refused once, before any rank starts ---------------------------------------------

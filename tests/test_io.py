@@ -101,7 +101,7 @@ def test_path_must_be_a_directory(run_mleng, target, make_path, message):
 @pytest.mark.parametrize("args, message", [
     (["--jobs", "0"], "--jobs"),
     (["--size", "1MiB", "--jobs", "4"], "shards under 1 MiB"),
-    (["--workloads", "ckpt-save,defrag"], "unknown workload"),
+    (["--op", "ckpt-save,defrag"], "unknown workload"),
     (["--duration", "0"], "--duration"),
 ])
 def test_bad_arguments(run_mleng, target, args, message):
@@ -150,7 +150,7 @@ def test_tmpfs_runs_warm_and_says_so(run_mleng, mount_tmpfs):
     # tmpfs has no O_DIRECT and cannot be made cold: the record must say the reads were warm.
     memory_fs = mount_tmpfs("100m")
     result = run_mleng("io", str(memory_fs), "--size", "4MiB", "--jobs", "2", "--duration", "0.3",
-                       "--workloads", "ckpt-load,rand-read-4k", "--engine", "native", "--json")
+                       "--op", "ckpt-load,rand-read-4k", "--engine", "native", "--json")
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
     assert record["summary"]["targets"]["path"]["fs_type"] == "tmpfs"
@@ -168,7 +168,7 @@ def test_write_error_mid_run_fails_cleanly_and_removes_files(mleng_home, target,
     if engine == "fio" and not HAVE_FIO:
         pytest.skip("fio is not installed (CI installs it: apt-get install -y fio)")
     result = subprocess.run([sys.executable, "-m", "mleng", "io", str(target), *QUICK, "--engine", engine,
-                             "--workloads", "metadata,ckpt-save"],
+                             "--op", "metadata", "--op", "ckpt-save"],
                             capture_output=True, text=True, env=env_for(mleng_home), preexec_fn=_limit_file_size,
                             timeout=120)
     assert result.returncode == 1, (result.stdout, result.stderr)

@@ -37,7 +37,7 @@ def test_cpu_membw_measures_copy_read_write_and_stores_it(run_mleng):
 
 
 def test_human_output_names_units(run_mleng):
-    result = run_mleng("membw", "--size", SMALL, "--iters", "2", "--warmup", "0", "--tests", "copy", "--no-store")
+    result = run_mleng("membw", "--size", SMALL, "--iters", "2", "--warmup", "0", "--op", "copy", "--no-store")
     assert result.returncode == 0, result.stderr
     assert "GB/s" in result.stdout and "copy" in result.stdout
     assert "bytes read + written" in result.stdout
@@ -48,7 +48,7 @@ def test_human_output_names_units(run_mleng):
     (["--size", "12XB"], "is not a size"),
     (["--size", "100KiB"], "too small"),
     (["--size", SMALL, "--tests", "copy,bogus"], "unknown test"),
-    (["--size", SMALL, "--tests", "h2d"], "need a CUDA GPU"),
+    (["--size", SMALL, "--op", "h2d"], "need a CUDA GPU"),
     (["--size", SMALL, "--device", "0"], "no CUDA GPU"),
     (["--size", SMALL, "--all-devices"], "needs CUDA GPUs"),
     (["--size", SMALL, "--iters", "0"], "--iters"),
@@ -100,7 +100,7 @@ def test_pcie_reference_without_link_data_says_why():
 def test_ctrl_c_keeps_rows_measured_so_far(mleng_home):
     env = dict(os.environ, MLENG_HOME=str(mleng_home))
     proc = subprocess.Popen([sys.executable, "-m", "mleng", "membw", "--size", "256MiB", "--iters", "400",
-                             "--warmup", "0", "--tests", "write,copy"],
+                             "--warmup", "0", "--op", "write", "--op", "copy"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stderr.readline()  # printed when the first test (write) is done

@@ -91,7 +91,7 @@ def _command_parser(command: str) -> argparse.ArgumentParser:
 
 def command_options(command: str) -> dict[str, argparse.Action]:
     """The flags and positionals of `mleng COMMAND`, by their Python name (dest)."""
-    return {a.dest: a for a in _command_parser(command)._actions}
+    return {a.dest: a for a in _command_parser(command)._actions if a.help != argparse.SUPPRESS}  # not old aliases
 
 
 def _text(value: Any) -> str:
@@ -217,12 +217,12 @@ def mamf(*, device: str | int | None = None, all_devices: bool = False, dtype: s
 
 
 def membw(*, device: int | None = None, all_devices: bool = False, size: str | int | None = None,
-          tests: str | None = None, engine: str = "all", iters: int = 20, warmup: int = 5,
+          op: Sequence[str] | str | None = None, engine: str = "all", iters: int = 20, warmup: int = 5,
           threads: int | None = None, no_store: bool = False) -> "Measurement":
     """Device, host<->device and CPU memory bandwidth (`mleng membw --json`): a Measurement of kind 'membw'.
 
     Example:
-        >>> record = mleng.membw(size="64MiB", tests="copy", iters=5, no_store=True)
+        >>> record = mleng.membw(size="64MiB", op="copy", iters=5, no_store=True)
         >>> round(record.summary["value"]) > 0   # copy GB/s
         True
     """
@@ -234,13 +234,13 @@ def membw(*, device: int | None = None, all_devices: bool = False, size: str | i
 
 
 def io(path: str | os.PathLike[str], *, size: str | int = "1GiB", jobs: int = 4, duration: float = 10.0,
-       workloads: str | None = None, engine: str = "auto", baseline: str | None = None, files: int = 2000,
+       op: Sequence[str] | str | None = None, engine: str = "auto", baseline: str | None = None, files: int = 2000,
        no_store: bool = False) -> "Measurement":
     """Checkpoint save/load, dataloader random reads and metadata rates of the file system holding `path`
     (`mleng io PATH --json`): a Measurement of kind 'storage'.
 
     Example:
-        >>> record = mleng.io("/tmp", size="64MiB", jobs=2, duration=1, workloads="ckpt-save", no_store=True)
+        >>> record = mleng.io("/tmp", size="64MiB", jobs=2, duration=1, op="ckpt-save", no_store=True)
         >>> [(r["workload"], r["bandwidth_gbps"] > 0) for r in record.rows]
         [('ckpt-save', True)]
     """

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from mleng.errors import CheckFailed, UsageError
 
@@ -48,54 +47,36 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_rank(args: argparse.Namespace, launch, pair_bytes: int) -> int:
-    from mleng.distributed.group import choose_backend, gather_to_rank0, join, leave, pick_device
-    from mleng.distributed.rankinfo import describe_rank
-    from mleng.distributed.runner import StopSignals
+    from mleng.distributed.group import gather_to_rank0
+    from mleng.distributed.runner import RankSession
     from mleng.measure import connectivity
-    from mleng.results.record import Measurement
 
-    is_root = launch.rank == 0
     params = {"timeout_s": args.timeout, "alloc_gib": args.alloc_gib, "pairs": args.pairs,
               "pair_bytes": pair_bytes, "pair_iters": args.pair_iters, "backend": args.backend,
               "outlier_ratio": args.outlier_ratio}
-    record = Measurement.start("connectivity", params) if is_root else None
-    job = None
+    session = RankSession(launch, "connectivity", params, backend=args.backend, timeout_s=args.timeout,
+                          no_store=args.no_store)
     rows: list[dict] = []
     pairs: dict | None = None
-    stop = StopSignals().__enter__()
-    try:
-        with stop.outcome("interrupted (Ctrl-C)"):
-            backend, kind = choose_backend(args.backend)
-            device = pick_device(launch, kind)
-            job = join(launch, backend, device, args.timeout, info=describe_rank(launch, device), params=params)
-            mine = {}
-            mine.update(connectivity.verify_all_reduce(job))
-            mine.update(connectivity.barrier(job))
-            mine.update(connectivity.allocation(job, args.alloc_gib))
-            if args.pairs:
-                members = connectivity.pair_ranks(job, args.pairs)
-                if len(members) < 2:
-                    what = "host" if args.pairs == "nodes" else "rank"
-                    pairs = {"mode": args.pairs, "members": members, "size_bytes": pair_bytes,
-                             "skipped": f"--pairs {args.pairs} needs at least 2 {what}s; this job has 1"}
-                else:
-                    matrix = connectivity.pair_bandwidth(job, members, pair_bytes, args.pair_iters, warmup=3)
-                    median, slow = connectivity.flag_outliers(matrix, args.outlier_ratio)
-                    hosts = [r["host"] for r in job.ranks]
-                    pairs = {"mode": args.pairs, "members": members, "size_bytes": pair_bytes,
-                             "matrix_gbps": matrix, "median_gbps": median,
-                             "slow": [[members[i], members[j]] for i, j in slow],
-                             "suspects": connectivity.suspects(slow, members, hosts)}
-            reports = gather_to_rank0(job, "report", mine)
-            if is_root:
-                rows = [{**_public(job.ranks[r]), **reports[r]} for r in range(job.world_size)]
-    finally:
-        if is_root:  # stored before teardown, which can hang when a peer is gone
-            _finish(record, job, rows, pairs, args, stop.status, stop.error)
-        leave(job, launch.rank)
-        stop.__exit__()
-    if not is_root:
+
+    def complete(record, job, status, error):
+        connectivity.complete_record(record, job, rows, pairs, args.outlier_ratio, status, error)
+
+    with session.running(complete, lambda s: report(s, args, pairs)):
+        job = session.join()
+        mine = {}
+        mine.update(connectivity.verify_all_reduce(job))
+        mine.update(connectivity.barrier(job))
+        mine.update(connectivity.allocation(job, args.alloc_gib))
+        if args.pairs:
+            pairs = connectivity.pairs_matrix(job, args.pairs, pair_bytes, args.pair_iters, args.outlier_ratio)
+        reports = gather_to_rank0(job, "report", mine)
+        if session.is_root:
+            ranks = job.public_ranks()
+            rows = [{**ranks[r], **reports[r]} for r in range(job.world_size)]
+    if not session.is_root:
         return 0
+    record = session.record
     problems = record.summary["problems"]
     if problems:
         message = "; ".join(problems) if args.json else f"{len(problems)} problem(s) found, listed above"
@@ -103,76 +84,17 @@ def run_rank(args: argparse.Namespace, launch, pair_bytes: int) -> int:
     return 0
 
 
-def _public(info: dict) -> dict:
-    return {k: v for k, v in info.items() if k not in ("params", "params_digest")}
+def report(session, args: argparse.Namespace, pairs: dict | None) -> None:
+    from mleng.cli.common import print_rank_record
 
-
-def _ranks_on(rows: list[dict]) -> str:
-    hosts = sorted({r["host"] for r in rows})
-    ranks = ", ".join(str(r["rank"]) for r in rows)
-    return f"rank{'s' if len(rows) > 1 else ''} {ranks} ({', '.join(hosts)})"
-
-
-def _problems(rows: list[dict], pairs: dict | None, world_size: int) -> list[str]:
-    """One line per kind of failure, naming every rank and host that had it."""
-    problems = []
-    by_answer: dict[str, list[dict]] = {}
-    by_alloc_error: dict[str, list[dict]] = {}
-    for row in rows:
-        if not row.get("all_reduce_ok"):
-            by_answer.setdefault(str(row.get("all_reduce_values")), []).append(row)
-        if row.get("alloc_ok") is False:
-            by_alloc_error.setdefault(f"{row['alloc_gib']:g} GiB on {row['device']}: {row['alloc_error']}",
-                                      []).append(row)
-    for answer, bad in by_answer.items():
-        problems.append(f"{_ranks_on(bad)} answered {answer} for an all-reduce of ones, expected {float(world_size)}")
-    for what, bad in by_alloc_error.items():
-        problems.append(f"{_ranks_on(bad)} could not allocate {what}")
-    if pairs and pairs.get("slow"):
-        shown = ", ".join(f"{a}->{b}" for a, b in pairs["slow"][:8])
-        problems.append(f"{len(pairs['slow'])} slow pair(s) below {pairs.get('ratio', 0.7):g} x the median "
-                        f"{pairs['median_gbps']:.3g} GB/s: {shown}"
-                        + (f" ({'; '.join(pairs['suspects'])})" if pairs["suspects"] else ""))
-    return problems
+    print_rank_record(session, args, lambda: _render(session.record, session.job, session.record.rows, pairs,
+                                                     session.stored))
 
 
 def _hint(record) -> str:
     if (record.summary.get("pairs") or {}).get("slow"):
         return "re-run --pairs on the suspect nodes alone to bisect; check their NIC and cable"
     return "look at the ranks and hosts named above"
-
-
-def _finish(record, job, rows, pairs, args, status, error) -> None:
-    from mleng.distributed.runner import fingerprint, store_record
-
-    if pairs is not None:
-        pairs["ratio"] = args.outlier_ratio
-    world = job.world_size if job else None
-    problems = _problems(rows, pairs, world or 0) if status == "complete" else [error]
-    backend = job.backend if job else (args.backend or "")
-    record.machine = fingerprint(gpus=backend == "nccl")
-    record.rows = rows
-    record.summary = {
-        "value": len(rows) if status == "complete" else None, "unit": "ranks ok" if not problems else "ranks",
-        "theoretical": world, "ratio": None,
-        "verdict": "ok" if status == "complete" and not problems else "problem",
-        "world_size": world, "hosts": job.hosts if job else [], "problems": problems,
-    }
-    if job is None:
-        record.summary["world_size"] = None
-    if pairs is not None:
-        record.summary["pairs"] = pairs
-    record.params["launch"] = job.launch.mode if job else None
-    record.finish(status, error)
-    stored, store_problem = store_record(record, args.no_store)
-    if args.json:
-        import json
-
-        print(json.dumps(record.to_dict(), indent=2, default=str))
-    else:
-        print(_render(record, job, rows, pairs, stored))
-    if store_problem:
-        print(f"mleng check: warning: the result was not stored: {store_problem}", file=sys.stderr)
 
 
 def _render(record, job, rows, pairs, stored) -> str:

@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from(args: argparse.Namespace):
     from mleng.distributed.launch import visible_gpu_count
-    from mleng.measure.collectives import Settings, dtype_name, op_names, size_sweep
-    from mleng.measure.sizes import parse_size
+    from mleng.measure.collectives import Settings, dtype_name, op_names
+    from mleng.measure.sizes import parse_size, size_sweep
 
     max_text = args.max_bytes or ("1G" if visible_gpu_count() and args.backend != "gloo" else "64M")
     for name in ("iters", "repeats"):
@@ -64,7 +64,7 @@ def settings_from(args: argparse.Namespace):
         raise UsageError(f"-f/--factor {args.factor:g}: sizes must grow, give a factor above 1 (2 doubles)")
     if args.plot is not None:
         from mleng.cli.common import check_output_path
-        from mleng.measure.collectives import pyplot
+        from mleng.report.plots import pyplot
 
         check_output_path(args.plot, "--plot", (".png",))
         pyplot()  # a missing matplotlib is said now, not after the sweep
@@ -91,7 +91,8 @@ def check_memory(max_bytes: int, max_text: str, backend: str | None, nproc: int 
     before any rank starts, instead of an allocator error on every rank."""
     from mleng.distributed.launch import visible_gpu_count
     from mleng.measure.sizes import format_bytes
-    from mleng.measure.membw import HOST_MARGIN_BYTES, host_available_bytes
+    from mleng.machine.system import host_available_bytes
+    from mleng.measure.membw import HOST_MARGIN_BYTES
 
     per_rank = 2 * max_bytes
     on_gpu = visible_gpu_count() and backend != "gloo"
@@ -138,89 +139,68 @@ def run(args: argparse.Namespace) -> int:
 def run_rank(args: argparse.Namespace, launch, settings) -> int:
     import dataclasses
 
-    from mleng.distributed.group import choose_backend, join, leave, pick_device
-    from mleng.distributed.rankinfo import describe_rank
-    from mleng.distributed.runner import StopSignals
+    from mleng.distributed.group import choose_backend
+    from mleng.distributed.runner import RankSession
     from mleng.measure import collectives
-    from mleng.results.record import Measurement
 
-    backend, kind = choose_backend(args.backend)
-    device = pick_device(launch, kind)
+    backend, _ = choose_backend(args.backend)
     params = {**dataclasses.asdict(settings), "backend": backend, "timeout_s": args.timeout,
               "min_busbw_gbps": args.min_busbw, "reference_gbps": args.reference_gbps}
-    is_root = launch.rank == 0
-    record = Measurement.start("collective", params) if is_root else None
+    session = RankSession(launch, "collective", params, backend=backend, timeout_s=args.timeout,
+                          no_store=args.no_store, interrupted="interrupted (Ctrl-C); rows measured so far are kept")
+    is_root = session.is_root
+    record = session.record
     rows: list[dict] = []
-    job = None
-    stop = StopSignals().__enter__()
-    try:
-        with stop.outcome("interrupted (Ctrl-C); rows measured so far are kept"):
-            job = join(launch, backend, device, args.timeout, info=describe_rank(launch, device), params=params)
-            asked_all = any("all" in [o.strip().lower() for o in item.split(",")] for item in (args.op or []))
-            if asked_all and job.world_size < 2 and "send_recv" in settings.ops:
-                # `--op all` on one rank means the ops one rank can run; naming send_recv alone is still an error
-                settings = dataclasses.replace(settings, ops=[o for o in settings.ops if o != "send_recv"])
-                if is_root:
-                    record.params["ops"] = settings.ops
-                    record.params["skipped_ops"] = {"send_recv": "needs at least 2 ranks"}
+
+    def complete(record, job, status, error):
+        ranks = job.public_ranks() if job else []
+        collectives.complete_record(record, rows, ranks, settings, args.reference_gbps, args.min_busbw)
+
+    with session.running(complete, lambda s: report(s, args)):
+        job = session.join()
+        asked_all = any("all" in [o.strip().lower() for o in item.split(",")] for item in (args.op or []))
+        if asked_all and job.world_size < 2 and "send_recv" in settings.ops:
+            # `--op all` on one rank means the ops one rank can run; naming send_recv alone is still an error
+            settings = dataclasses.replace(settings, ops=[o for o in settings.ops if o != "send_recv"])
             if is_root:
-                record.params["world_size"] = launch.world_size
-                record.params["launch"] = launch.mode
-                if not args.json:
-                    print(_header(job, settings), flush=True)
-            printer = _RowPrinter(job.world_size) if is_root and not args.json else None
-            if is_root:  # rates physics does not allow are errors as soon as they are measured
-                early_reference, _ = collectives.reference_rate(backend, job.ranks, None, args.reference_gbps)
-                ceiling = collectives.fastest_link_gbps()
-            for row in collectives.sweep(job, settings):
-                if is_root:
-                    collectives.reject_impossible([row], early_reference, ceiling)
-                rows.append(row)  # kept before it is shown: a row on screen is a row in the record
-                if printer:
-                    printer.row(row)
-    finally:
-        if is_root:  # stored before teardown, which can hang when a peer is gone
-            _finish(record, rows, job, settings, backend, args, stop.status, stop.error)
-        leave(job, launch.rank)
-        stop.__exit__()
+                record.params["ops"] = settings.ops
+                record.params["skipped_ops"] = {"send_recv": "needs at least 2 ranks"}
+        if is_root:
+            record.params["world_size"] = launch.world_size
+            record.params["launch"] = launch.mode
+            if not args.json:
+                print(_header(job, settings), flush=True)
+        printer = _RowPrinter(job.world_size) if is_root and not args.json else None
+        if is_root:  # rates physics does not allow are errors as soon as they are measured
+            early_reference, _ = collectives.reference_rate(backend, job.ranks, None, args.reference_gbps)
+            ceiling = collectives.fastest_link_gbps()
+        for row in collectives.sweep(job, settings):
+            if is_root:
+                collectives.reject_impossible([row], early_reference, ceiling)
+            rows.append(row)  # kept before it is shown: a row on screen is a row in the record
+            if printer:
+                printer.row(row)
     if not is_root:
         return 0
     return _verdict(record, args)
 
 
-def _finish(record, rows, job, settings, backend, args, status, error) -> None:
-    from mleng.distributed.runner import fingerprint, store_record
-    from mleng.measure import collectives
+def report(session, args: argparse.Namespace) -> None:
+    """Rank 0, the record stored: printed (or --json), then the plot when asked."""
+    from mleng.cli.common import print_rank_record
 
-    ranks = [{k: v for k, v in r.items() if k not in ("params", "params_digest")} for r in (job.ranks if job else [])]
-    record.machine = fingerprint(gpus=backend == "nccl")
-    record.machine["ranks"] = ranks
-    record.rows = rows
-    reference, note = collectives.reference_rate(backend, ranks, record.machine, args.reference_gbps)
-    collectives.reject_impossible(rows, reference, collectives.fastest_link_gbps())
-    record.summary = collectives.summarize(rows, reference, note, args.min_busbw)
-    record.summary["timing"] = collectives.timing_note(settings, any(r.get("timing") == "cuda_graph" for r in rows))
-    record.finish(status, error)
-    stored, store_problem = store_record(record, args.no_store)
-    if args.json:
-        print(_json(record))
-    else:
-        print(_footer(record, stored, store_problem))
-    if store_problem:
-        print(f"mleng comm: warning: the measurement was not stored: {store_problem}", file=sys.stderr)
-    if args.plot and rows:
+    record = session.record
+    print_rank_record(session, args, lambda: _footer(record, session.stored), what="measurement")
+    if args.plot and record.rows:
+        from mleng.report.plots import plot_busbw
+
         try:
-            collectives.plot_busbw(rows, args.plot, reference, note)
+            plot_busbw(record.rows, args.plot, record.summary.get("theoretical"),
+                       record.summary.get("theoretical_source"))
             if not args.json:
                 print(f"plot written to {args.plot}")
         except MlengError as exc:
             print(f"mleng comm: warning: no plot: {exc}", file=sys.stderr)
-
-
-def _json(record) -> str:
-    import json
-
-    return json.dumps(record.to_dict(), indent=2, default=str)
 
 
 def _verdict(record, args) -> int:
@@ -297,7 +277,7 @@ class _RowPrinter:
         print("".join(cells), flush=True)
 
 
-def _footer(record, stored, store_problem) -> str:
+def _footer(record, stored) -> str:
     from mleng.measure.sizes import format_bytes
 
     s = record.summary

@@ -28,17 +28,30 @@ def preflight_store(args: argparse.Namespace) -> None:
         raise
 
 
-def store_or_warn(measurement, args: argparse.Namespace) -> str | None:
+def store_or_warn(measurement, args: argparse.Namespace, what: str = "result") -> str | None:
     """Save unless --no-store; a store that fails now is a warning on stderr, never a lost measurement."""
     if getattr(args, "no_store", False):
         return None
-    from mleng.results.store import save_measurement
+    from mleng.results.store import save_or_reason
 
-    try:
-        return save_measurement(measurement)
-    except MlengError as exc:
-        print(f"mleng {args.command}: warning: the result was not stored: {exc.message}", file=sys.stderr)
-        return None
+    stored, problem = save_or_reason(measurement)
+    warn_not_stored(problem, args, what)
+    return stored
+
+
+def warn_not_stored(problem: str | None, args: argparse.Namespace, what: str = "result") -> None:
+    if problem:
+        print(f"mleng {args.command}: warning: the {what} was not stored: {problem}", file=sys.stderr)
+
+
+def print_rank_record(session, args: argparse.Namespace, render: Callable[[], str], what: str = "result") -> None:
+    """Rank 0 of comm and check, once its session stored the record: the record under --json, else the
+    command's rendering; a store problem as one warning."""
+    if args.json:
+        print_json(session.record.to_dict())
+    else:
+        print(render())
+    warn_not_stored(session.store_problem, args, what)
 
 
 def exit_code_for(measurement) -> int:
@@ -60,6 +73,14 @@ def store_print_exit(measurement, args: argparse.Namespace, render: Callable[[ob
         if stored:
             print(f"stored as {stored} (mleng results show {stored})")
     return exit_code_for(measurement)
+
+
+def selected(values: list[str] | None, default) -> list[str]:
+    """--op values, repeated or comma-separated (the one selector flag of comm, membw and io); the default
+    when the flag is absent, and an empty list (refused by the measurement) when it names nothing."""
+    if values is None:
+        return list(default)
+    return [name.strip() for value in values for name in value.split(",") if name.strip()]
 
 
 def check_output_path(path: str | None, flag: str, suffixes: tuple[str, ...] = ()) -> Path | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mleng.cli.common import preflight_store, store_print_exit
+from mleng.cli.common import preflight_store, selected, store_print_exit
 from mleng.cli.render import table
 
 
@@ -16,8 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=4, help="writers/readers at once, one shard each (default 4)")
     parser.add_argument("--duration", type=float, default=10.0,
                         help="seconds for each random-read workload and the metadata create phase (default 10)")
-    parser.add_argument("--workloads", default=None,
-                        help="comma-separated subset of ckpt-save,ckpt-load,rand-read-4k,rand-read-1m,metadata")
+    parser.add_argument("--op", action="append", metavar="OP",
+                        help="ckpt-save, ckpt-load, rand-read-4k, rand-read-1m, metadata; repeat or comma-separate "
+                             "for several (default: all)")
+    parser.add_argument("--workloads", action="append", dest="op", help=argparse.SUPPRESS)  # the old name, kept
     parser.add_argument("--engine", choices=["auto", "fio", "native"], default="auto",
                         help="fio (parsing its JSON) or the native Python engine; auto: fio when installed")
     parser.add_argument("--baseline", choices=["local"], default=None,
@@ -61,8 +63,7 @@ def measure(args: argparse.Namespace, on_row=None, on_workspace=None):
             raise UsageError(f"{flag} must be at least 1 (got {value})")
     if args.duration <= 0:
         raise UsageError(f"--duration must be positive (got {args.duration:g})")
-    workloads = ([w.strip() for w in args.workloads.split(",") if w.strip()] if args.workloads
-                 else list(storage.WORKLOADS))
+    workloads = selected(args.op, storage.WORKLOADS)
     storage.check_target(args.path)
     preflight_store(args)
     return storage.run_io(args.path, size_bytes=size, jobs=args.jobs, duration_s=args.duration,

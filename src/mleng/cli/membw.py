@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mleng.cli.common import preflight_store, store_print_exit
+from mleng.cli.common import preflight_store, selected, store_print_exit
 from mleng.cli.render import table
 
 
@@ -17,8 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default=None,
                         help="buffer size, e.g. 4GiB (default 4GiB on a GPU, 1GiB on the CPU; "
                              "far beyond L2/LLC is the point)")
-    parser.add_argument("--tests", default=None,
-                        help="comma-separated subset of copy,read,write,h2d,d2h (default: all that apply)")
+    parser.add_argument("--op", action="append", metavar="OP",
+                        help="copy, read, write, h2d, d2h; repeat or comma-separate for several (default: all that apply)")
+    parser.add_argument("--tests", action="append", dest="op", help=argparse.SUPPRESS)  # the old name, kept
     parser.add_argument("--engine", choices=["torch", "triton", "driver", "all"], default="all",
                         help="kernels to time on a GPU (default all: torch, Triton when installed, and the "
                              "CUDA driver's own device-to-device copy, cuMemcpyDtoDAsync, for the copy ceiling)")
@@ -49,7 +50,7 @@ def measure(args: argparse.Namespace, on_row=None):
     from mleng.measure.sizes import parse_size
 
     size = parse_size(args.size, "--size") if args.size else None
-    tests = [t.strip() for t in args.tests.split(",") if t.strip()] if args.tests else list(membw.TESTS)
+    tests = selected(args.op, membw.TESTS)
     engines = None if args.engine == "all" else [args.engine]
     if args.iters < 1 or args.warmup < 0:
         from mleng.errors import UsageError

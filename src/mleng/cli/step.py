@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options_from(args: argparse.Namespace, world_size: int):
     from mleng.step.config import resolve
-    from mleng.step.run import StepOptions, validate
+    from mleng.step.options import StepOptions, validate
 
     cfg = resolve(args.model, args.config, args.layers)
     grad_accum = args.grad_accum if args.grad_accum is not None else 1
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc {args.nproc}: give at least 1 rank")
     world = launch.world_size if launch else (args.nproc or 1)
     try:
-        from mleng.step.run import precheck
+        from mleng.step.options import precheck
 
         options = options_from(args, world)
         out_dir = _check_out_dir(args.out)
@@ -169,23 +169,17 @@ def _rank(args: argparse.Namespace, options, launch, out_dir: Path | None) -> in
 
 
 def _finish(record, mamf_records, args: argparse.Namespace, out_dir: Path | None) -> None:
+    from mleng.cli.common import store_or_warn
     from mleng.cli.render import print_json
     from mleng.results.record import Measurement
 
     if record.status == "failed" and not record.summary.get("steps"):
         return  # refused before any step (a file, a fit): the error alone says it, nothing to keep
     stored = None
-    if not args.no_store:
-        from mleng.distributed.runner import store_record
-
-        for data in mamf_records:  # the MAMF runs --mamf made, so that the next step run finds them
-            mamf_id, problem = store_record(Measurement.from_dict(data))
-            if problem:
-                print(f"mleng step: warning: the MAMF run was not stored: {problem}", file=sys.stderr)
-        if record.status != "failed" or record.rows:
-            stored, problem = store_record(record)
-            if problem:
-                print(f"mleng step: warning: the measurement was not stored: {problem}", file=sys.stderr)
+    for data in mamf_records:  # the MAMF runs --mamf made, so that the next step run finds them
+        store_or_warn(Measurement.from_dict(data), args, "MAMF run")
+    if record.status != "failed" or record.rows:
+        stored = store_or_warn(record, args, "measurement")
     written = []
     if out_dir is not None:
         trace = record.summary.get("trace")

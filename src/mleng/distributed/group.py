@@ -45,6 +45,10 @@ class Job:
         """Distinct hosts in rank order of their first rank."""
         return list(dict.fromkeys(r["host"] for r in self.ranks))
 
+    def public_ranks(self) -> list[dict]:
+        """What every rank said about itself, without the arguments it was started with (kept for the record)."""
+        return [{k: v for k, v in r.items() if k not in ("params", "params_digest")} for r in self.ranks]
+
 
 def choose_backend(requested: str | None) -> tuple[str, str]:
     """(backend, device kind): NCCL on CUDA GPUs, gloo on CPU, unless --backend says otherwise."""

@@ -1,18 +1,16 @@
-"""The part comm and check share: spawn local ranks when launched plainly, else be one rank, with rank 0 recording."""
+"""What multi-rank commands (comm, check, step) share: spawn local ranks when launched plainly, else be one
+rank; and the rank session of comm and check: join, signals, the record finished and stored by rank 0, teardown."""
 
 from __future__ import annotations
 
 import contextlib
-
 import sys
-from typing import Callable
+from typing import Any, Callable
 
+from mleng import signals
 from mleng.distributed.launch import Launch, default_nproc, detect, strip_nproc
 from mleng.distributed.spawn import spawn_local
-from mleng import signals
 from mleng.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, MlengError, UsageError
-
-
 
 
 def run_as_ranks(command: str, argv: list[str], nproc: int | None, timeout_s: float,
@@ -48,25 +46,6 @@ def run_as_ranks(command: str, argv: list[str], nproc: int | None, timeout_s: fl
         if launch.rank != 0:
             return signals.exit_code()  # rank 0 speaks for the job: one message, not one per rank
         raise
-
-
-def fingerprint(gpus: bool) -> dict:
-    """Rank 0's machine fingerprint, never fatal: a record without one beats no record."""
-    from mleng.machine.fingerprint import collect_for_record
-
-    return collect_for_record(gpus=gpus)
-
-
-def store_record(measurement, no_store: bool = False) -> tuple[str | None, str | None]:
-    """Save on rank 0 unless --no-store; (id, None) or (None, why not): a store problem never hides the measurement."""
-    if no_store:
-        return None, None
-    try:
-        from mleng.results.store import save_measurement
-
-        return save_measurement(measurement), None
-    except MlengError as exc:
-        return None, str(exc)
 
 
 class StopSignals:
@@ -120,3 +99,68 @@ class StopSignals:
 
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+
+
+class RankSession:
+    """One rank of a multi-rank command. Ctrl-C and SIGTERM become the record's status (StopSignals), the job is
+    joined with short timeouts, and on rank 0 the record is fingerprinted, completed by the command's library
+    function, stored (unless no_store) and reported, all before teardown, which can hang when a peer is gone.
+
+        session = RankSession(launch, "check", params, backend=None, timeout_s=60)
+        with session.running(complete, report):   # complete(record, job, status, error); report(session)
+            job = session.join()
+            ...
+    """
+
+    def __init__(self, launch: Launch, kind: str, params: dict[str, Any], *, backend: str | None,
+                 timeout_s: float, no_store: bool = False, interrupted: str = "interrupted (Ctrl-C)"):
+        from mleng.results.record import Measurement
+
+        self.launch, self.params, self.backend, self.timeout_s = launch, params, backend, timeout_s
+        self.no_store, self.interrupted = no_store, interrupted
+        self.is_root = launch.rank == 0
+        self.record = Measurement.start(kind, params) if self.is_root else None
+        self.job = None
+        self.stored: str | None = None
+        self.store_problem: str | None = None
+        self.stop = StopSignals()
+
+    def join(self):
+        """Choose the backend and this rank's device, and join every rank within the timeout: the Job."""
+        from mleng.distributed.group import choose_backend, join, pick_device
+        from mleng.distributed.rankinfo import describe_rank
+
+        backend, kind = choose_backend(self.backend)
+        device = pick_device(self.launch, kind)
+        self.job = join(self.launch, backend, device, self.timeout_s, info=describe_rank(self.launch, device),
+                        params=self.params)
+        return self.job
+
+    @contextlib.contextmanager
+    def running(self, complete: Callable[[Any, Any, str, str | None], None],
+                report: Callable[["RankSession"], None]):
+        from mleng.distributed.group import leave
+
+        self.stop.__enter__()
+        try:
+            with self.stop.outcome(self.interrupted):
+                yield self
+        finally:
+            if self.is_root:  # stored before teardown, which can hang when a peer is gone
+                self._finish(complete, report)
+            leave(self.job, self.launch.rank)
+            self.stop.__exit__()
+
+    def _finish(self, complete, report) -> None:
+        from mleng.machine.fingerprint import collect_for_record
+
+        record, status, error = self.record, self.stop.status, self.stop.error
+        backend = self.job.backend if self.job else (self.backend or "")
+        record.machine = collect_for_record(gpus=backend == "nccl")
+        complete(record, self.job, status, error)
+        record.finish(status, error)
+        if not self.no_store:
+            from mleng.results.store import save_or_reason
+
+            self.stored, self.store_problem = save_or_reason(record)
+        report(self)

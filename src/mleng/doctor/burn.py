@@ -68,6 +68,8 @@ def run_burn(duration_s: float, devices: list[str] | None = None, size: int | No
     """Run the burn-in for about duration_s on each device (default: every CUDA device, else the CPU)."""
     import torch
 
+    from mleng.measure.timing import Stopwatch
+
     if devices is None:
         devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
     on_gpu = all(d.startswith("cuda") for d in devices)
@@ -111,7 +113,7 @@ def run_burn(duration_s: float, devices: list[str] | None = None, size: int | No
         round_start = time.perf_counter()
         timings = []
         for s in state:
-            timer = _Timer(s["out"].device)
+            timer = Stopwatch(s["out"].device)
             if timer.cuda:
                 torch.cuda.set_device(s["out"].device)  # events and kernels on this device's current stream
             timer.start()
@@ -163,38 +165,6 @@ def run_burn(duration_s: float, devices: list[str] | None = None, size: int | No
 def _tile_error(out, reference, rows: int, cols: int, size: int) -> float:
     tile = out[rows:rows + TILE, cols:cols + TILE].double().cpu()
     return round(float((tile - reference).abs().max()) / size ** 0.5, 6)
-
-
-class _Timer:
-    """Device time of one round: CUDA events on a GPU, the host clock (after the work) on a CPU."""
-
-    def __init__(self, device) -> None:
-        import torch
-
-        self.device = device
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.begin = torch.cuda.Event(enable_timing=True)
-            self.end = torch.cuda.Event(enable_timing=True)
-
-    def start(self) -> None:
-        if self.cuda:
-            self.begin.record()
-        else:
-            self.t0 = time.perf_counter()
-
-    def mark_end(self) -> None:
-        """Right after this device's work is queued: the other devices' work must not count in its time."""
-        if self.cuda:
-            self.end.record()
-        else:
-            self.t1 = time.perf_counter()
-
-    def elapsed(self) -> float:
-        if self.cuda:
-            self.end.synchronize()
-            return self.begin.elapsed_time(self.end) / 1000.0
-        return self.t1 - self.t0
 
 
 def _monitor(info: dict[str, Any]):

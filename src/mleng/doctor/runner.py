@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from mleng.doctor import checks
+from mleng.doctor import checks, measured
 from mleng.doctor.findings import SEVERITY_RANK, Finding, inconclusive, worst
 from mleng.results.record import Measurement
 
@@ -97,16 +97,16 @@ def judge_measurement(name: str, outcome: dict[str, Any], fp: dict[str, Any], ch
         return [inconclusive(name, f"{name} measurement failed: {record.get('error') or row_error or 'no result'}")]
     if name == "matmul":
         summary.setdefault("dtype", (record.get("params") or {}).get("dtype"))
-        return [checks.check_matmul(summary, _vendor(fp))]
+        return [measured.check_matmul(summary, _vendor(fp))]
     if name == "collective":
         if (record.get("params") or {}).get("world_size") == 1:
             return [inconclusive("busbw", "one rank only: a collective crosses no link (one GPU on this node)",
                                  measured=summary.get("value"))]
-        return [checks.check_busbw(summary)]
+        return [measured.check_busbw(summary)]
     if name == "membw":
-        return [checks.check_membw(summary)]
+        return [measured.check_membw(summary)]
     if name == "storage":
-        return [checks.check_storage(summary.get("ckpt_save_gbps"), checkpoint_dir)]
+        return [measured.check_storage(summary.get("ckpt_save_gbps"), checkpoint_dir)]
     return []
 
 

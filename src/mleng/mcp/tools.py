@@ -261,7 +261,8 @@ def options(tool: ToolSpec) -> dict[str, argparse.Action]:
     """property name -> the parser's action, for every flag and positional the tool offers."""
     out = {}
     for action in leaf_parser(tool.command)._actions:
-        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) or action.dest == "json":
+        if (isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) or action.dest == "json"
+                or action.help == argparse.SUPPRESS):  # an old spelling kept for scripts, not offered
             continue
         name = property_name(action)
         if name not in tool.exclude:

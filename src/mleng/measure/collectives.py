@@ -6,47 +6,24 @@ import dataclasses
 from typing import Any, Callable, Iterator
 
 from mleng.errors import CheckFailed, UsageError
-from mleng.measure.sizes import format_bytes
+from mleng.measure.sizes import format_bytes, size_sweep  # noqa: F401 - size_sweep: comm's sizes, kept here too
 from mleng.specs.formulas import busbw_factor  # nccl-tests' factors, kept with the other formulas
-
-# ---------------------------------------------------------------------------------------------
-# Sizes and dtypes (sizes are parsed and shown by mleng.measure.sizes, the one size rule)
-# ---------------------------------------------------------------------------------------------
-
-def size_sweep(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
-    if min_bytes > max_bytes:
-        raise UsageError(f"--min-bytes {format_bytes(min_bytes)} is above --max-bytes {format_bytes(max_bytes)}")
-    if min_bytes < max_bytes and factor <= 1:
-        raise UsageError(f"--factor {factor:g} must be above 1 to step from min to max bytes")
-    sizes, size = [], float(min_bytes)
-    while size <= max_bytes * (1 + 1e-9):
-        sizes.append(int(size))
-        if factor <= 1:
-            break
-        size *= factor
-    return sizes
-
-
-# name -> torch dtype attribute. uint8 and the fp8 kinds are left out: gloo cannot reduce them,
-# and the --check patterns below are signed.
-DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "float64": "float64",
-          "int32": "int32", "int64": "int64", "int8": "int8"}
 
 
 def dtype_name(text: str) -> str:
-    from mleng.measure.dtypes import canonical
+    from mleng.measure.dtypes import COLLECTIVE_DTYPES, canonical
 
-    return canonical(text, tuple(DTYPES))
+    return canonical(text, COLLECTIVE_DTYPES)
 
 
 def torch_dtype(name: str):
     import torch
 
-    return getattr(torch, DTYPES[name])
+    return getattr(torch, name)
 
 
 # ---------------------------------------------------------------------------------------------
-# --check input patterns: small integers, exact in every dtype above (bf16 holds integers up to 256
+# --check input patterns: small integers, exact in every dtype of COLLECTIVE_DTYPES (bf16 holds integers up to 256
 # exactly), so each expected result is known exactly without keeping copies of other ranks' data.
 # Reductions use values in {-1, 0, 1}: any partial sum over up to 256 ranks stays exact in bf16.
 # Data movement uses values in -120..120 that differ between ranks, so a chunk from the wrong rank shows.
@@ -184,7 +161,7 @@ def op_names(text: list[str] | str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Statistics
+# Timing core
 # ---------------------------------------------------------------------------------------------
 
 def time_stats(samples_s: list[float]) -> dict[str, float]:
@@ -195,10 +172,6 @@ def time_stats(samples_s: list[float]) -> dict[str, float]:
     return {"time_us": s.median_s * 1e6, "time_min_us": s.min_s * 1e6, "time_max_us": s.max_s * 1e6,
             "time_p99_us": s.p99_s * 1e6, "time_cv": s.cv}
 
-
-# ---------------------------------------------------------------------------------------------
-# Timing core
-# ---------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class Settings:
@@ -456,12 +429,11 @@ def reference_rate(backend: str, ranks: list[dict], machine: dict | None = None,
         name = next((r.get("gpu_name") for r in ranks if r.get("gpu_name")), None)
         if not name:
             return None, "the GPU model was not detected, so there is no NVLink rate to compare with"
-        try:
-            from mleng.specs import lookup_accelerator
+        from mleng.specs import find_accelerator
 
-            acc = lookup_accelerator(name)
-        except Exception as exc:
-            return None, f"no spec entry for {name} ({str(exc).splitlines()[0]})"
+        acc, why_not = find_accelerator(name)
+        if acc is None:
+            return None, why_not
         gbps = getattr(acc, "intra_node_gbps", None)
         if not gbps:
             return None, f"the spec entry for {acc.name} has no intra-node link rate"
@@ -481,6 +453,18 @@ def reference_rate(backend: str, ranks: list[dict], machine: dict | None = None,
     gbps = sum(ports) / 8 / per_node
     return gbps, (f"{len(ports)} active NIC port(s), {sum(ports):g} Gb/s in all on {ranks[0].get('host')}, "
                   f"shared by {per_node} rank(s): {gbps:g} GB/s per GPU")
+
+
+def complete_record(record, rows: list[dict], ranks: list[dict], settings: Settings,
+                    given_gbps: float | None = None, min_busbw: float | None = None) -> None:
+    """Rank 0's record of a sweep (`mleng comm`): the rows, checked against physics, and the headline against
+    the reference rate (from the specs, rank 0's NICs, or --reference-gbps)."""
+    record.machine["ranks"] = ranks
+    record.rows = rows
+    reference, note = reference_rate(record.params["backend"], ranks, record.machine, given_gbps)
+    reject_impossible(rows, reference, fastest_link_gbps())
+    record.summary = summarize(rows, reference, note, min_busbw)
+    record.summary["timing"] = timing_note(settings, any(r.get("timing") == "cuda_graph" for r in rows))
 
 
 def summarize(rows: list[dict], reference_gbps: float | None, reference_note: str,
@@ -512,43 +496,3 @@ def summarize(rows: list[dict], reference_gbps: float | None, reference_note: st
         summary["min_busbw_gbps"] = min_busbw
         summary["below_min_busbw"] = below
     return summary
-
-
-def pyplot():
-    """matplotlib.pyplot on the Agg backend, or a UsageError: called before a run that will plot."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UsageError("--plot needs matplotlib, which is not installed",
-                         hint="pip install matplotlib (or mleng[plot]), or drop --plot") from None
-    return plt
-
-
-def plot_busbw(rows: list[dict], path: str, reference_gbps: float | None, reference_note: str) -> None:
-    """busbw against size, one line per op, the reference rate dashed where there is one."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for op in dict.fromkeys(r["op"] for r in rows):
-        mine = [r for r in rows if r["op"] == op and "busbw_gbps" in r]
-        ax.plot([r["size_bytes"] for r in mine], [r["busbw_gbps"] for r in mine], marker="o", label=op)
-    if reference_gbps:
-        ax.axhline(reference_gbps, linestyle="--", color="gray", label=f"reference {reference_gbps:g} GB/s")
-    ax.set_xscale("log", base=2)
-    sizes = sorted({r["size_bytes"] for r in rows})
-    ax.set_xticks(sizes)
-    ax.set_xticklabels([format_bytes(s) for s in sizes], rotation=45, ha="right", fontsize=8)
-    ax.set_xlabel("size per rank (binary prefixes)")
-    ax.set_ylabel("busbw (GB/s, base 10)")
-    ax.set_title("mleng comm" + ("" if reference_gbps else f" ({reference_note})"), fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as exc:
-        raise UsageError(f"cannot write the plot to {path}: {exc.strerror}") from None
-    finally:
-        plt.close(fig)

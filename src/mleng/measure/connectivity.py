@@ -201,3 +201,66 @@ def suspects(slow: list[tuple[int, int]], members: list[int], hosts: list[str]) 
     top = max(counts.values())
     return [f"rank {r} ({hosts[r]}) is in {c} of the {len(slow)} slow pairs"
             for r, c in sorted(counts.items()) if c == top and c > 1]
+
+
+def _ranks_on(rows: list[dict]) -> str:
+    hosts = sorted({r["host"] for r in rows})
+    ranks = ", ".join(str(r["rank"]) for r in rows)
+    return f"rank{'s' if len(rows) > 1 else ''} {ranks} ({', '.join(hosts)})"
+
+
+def problems(rows: list[dict], pairs: dict | None, world_size: int) -> list[str]:
+    """One line per kind of failure, naming every rank and host that had it."""
+    found = []
+    by_answer: dict[str, list[dict]] = {}
+    by_alloc_error: dict[str, list[dict]] = {}
+    for row in rows:
+        if not row.get("all_reduce_ok"):
+            by_answer.setdefault(str(row.get("all_reduce_values")), []).append(row)
+        if row.get("alloc_ok") is False:
+            by_alloc_error.setdefault(f"{row['alloc_gib']:g} GiB on {row['device']}: {row['alloc_error']}",
+                                      []).append(row)
+    for answer, bad in by_answer.items():
+        found.append(f"{_ranks_on(bad)} answered {answer} for an all-reduce of ones, expected {float(world_size)}")
+    for what, bad in by_alloc_error.items():
+        found.append(f"{_ranks_on(bad)} could not allocate {what}")
+    if pairs and pairs.get("slow"):
+        shown = ", ".join(f"{a}->{b}" for a, b in pairs["slow"][:8])
+        found.append(f"{len(pairs['slow'])} slow pair(s) below {pairs.get('ratio', 0.7):g} x the median "
+                     f"{pairs['median_gbps']:.3g} GB/s: {shown}"
+                     + (f" ({'; '.join(pairs['suspects'])})" if pairs["suspects"] else ""))
+    return found
+
+
+def complete_record(record, job, rows: list[dict], pairs: dict | None, outlier_ratio: float, status: str,
+                    error: str | None) -> None:
+    """Rank 0's record of `mleng check`: a row per rank, the pairs matrix, and the verdict with its problems."""
+    if pairs is not None:
+        pairs["ratio"] = outlier_ratio
+    world = job.world_size if job else None
+    found = problems(rows, pairs, world or 0) if status == "complete" else [error]
+    record.rows = rows
+    record.summary = {
+        "value": len(rows) if status == "complete" else None, "unit": "ranks ok" if not found else "ranks",
+        "theoretical": world, "ratio": None,
+        "verdict": "ok" if status == "complete" and not found else "problem",
+        "world_size": world, "hosts": job.hosts if job else [], "problems": found,
+    }
+    if pairs is not None:
+        record.summary["pairs"] = pairs
+    record.params["launch"] = job.launch.mode if job else None
+
+
+def pairs_matrix(job, mode: str, size_bytes: int, iters: int, outlier_ratio: float) -> dict[str, Any]:
+    """`--pairs ranks|nodes`: the send bandwidth between every pair, the slow pairs and the suspect hosts."""
+    members = pair_ranks(job, mode)
+    if len(members) < 2:
+        what = "host" if mode == "nodes" else "rank"
+        return {"mode": mode, "members": members, "size_bytes": size_bytes,
+                "skipped": f"--pairs {mode} needs at least 2 {what}s; this job has 1"}
+    matrix = pair_bandwidth(job, members, size_bytes, iters, warmup=3)
+    median, slow = flag_outliers(matrix, outlier_ratio)
+    hosts = [r["host"] for r in job.ranks]
+    return {"mode": mode, "members": members, "size_bytes": size_bytes, "matrix_gbps": matrix,
+            "median_gbps": median, "slow": [[members[i], members[j]] for i, j in slow],
+            "suspects": suspects(slow, members, hosts)}

@@ -13,6 +13,10 @@ ALIASES = {
     "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "fp8_e4m3fn": "float8_e4m3fn", "fp8_e4m3fnuz": "float8_e4m3fnuz",
 }
 
+# What mleng comm moves and reduces: uint8 and the fp8 kinds are left out (gloo cannot reduce them, and the
+# --check patterns are signed).
+COLLECTIVE_DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "int8")
+
 
 def canonical(text: str, allowed: Sequence[str]) -> str:
     """The torch name of `text` ('bf16', 'torch.bfloat16', 'BFloat16' -> 'bfloat16'), if `allowed` holds it."""

@@ -110,6 +110,14 @@ def run_fio(job_text: str, workdir: str, name: str, timeout_s: float = 3600) -> 
                 pass
 
 
+def measure(*, workload: str, directory: str, jobs: int, file_bytes: int, block_bytes: int, direct: bool,
+            duration_s: float | None = None) -> dict[str, Any]:
+    """One workload run by fio over the shards in directory: its job file, run, and parsed result."""
+    text = job_file(workload=workload, directory=directory, jobs=jobs, file_bytes=file_bytes,
+                    block_bytes=block_bytes, direct=direct, duration_s=duration_s)
+    return parse(run_fio(text, directory, workload), workload)
+
+
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is not None:
         return

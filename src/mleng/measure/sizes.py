@@ -57,3 +57,18 @@ def format_bytes(n: float | None) -> str:
 def format_gib(n: float | None, digits: int = 2) -> str:
     """Fixed GiB for columns and messages that compare sizes side by side (12.34 GiB); '-' for a missing value."""
     return "-" if n is None else f"{n / GIB:.{digits}f} GiB"
+
+
+def size_sweep(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
+    """min_bytes, min_bytes x factor, ... up to max_bytes (nccl-tests' -b/-e/-f)."""
+    if min_bytes > max_bytes:
+        raise UsageError(f"--min-bytes {format_bytes(min_bytes)} is above --max-bytes {format_bytes(max_bytes)}")
+    if min_bytes < max_bytes and factor <= 1:
+        raise UsageError(f"--factor {factor:g} must be above 1 to step from min to max bytes")
+    sizes, size = [], float(min_bytes)
+    while size <= max_bytes * (1 + 1e-9):
+        sizes.append(int(size))
+        if factor <= 1:
+            break
+        size *= factor
+    return sizes

@@ -100,11 +100,23 @@ class Stopwatch:
 
     def stop(self) -> float:
         """Seconds since start(), after the device finished the work queued meanwhile."""
+        self.mark_end()
+        return self.elapsed()
+
+    def mark_end(self) -> None:
+        """Right after the timed work is queued: with several devices timed at once, each one's end, so the
+        others' work does not count in its time (the burn-in)."""
         if self.cuda:
             self.end_event.record()
+        else:
+            self._t1 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        """Seconds from start() to mark_end(), once the device finished that work."""
+        if self.cuda:
             self.end_event.synchronize()
             return self.start_event.elapsed_time(self.end_event) / 1e3
-        return time.perf_counter() - self._t0
+        return self._t1 - self._t0
 
     def sync(self) -> None:
         if self.cuda:

@@ -7,8 +7,8 @@ from typing import Any
 
 from mleng.errors import UsageError
 from mleng.machine.system import host_available_bytes
-
 from mleng.measure.sizes import GIB
+
 
 
 
@@ -53,9 +53,9 @@ def measure_against(arch, setup, estimate: dict[str, Any], device: str | None, s
            "measured_before_step_bytes": result.before_step_bytes, "estimated_peak_bytes": est,
            "error_pct": round(error, 2), "reserved_peak_bytes": result.reserved_peak_bytes,
            "estimated_reserved_bytes": est + frag}
-    from mleng.distributed.runner import fingerprint, store_record
+    from mleng.machine.fingerprint import collect_for_record
 
-    record.machine = fingerprint(gpus=dev == "cuda")
+    record.machine = collect_for_record(gpus=dev == "cuda")
     record.rows = [{"row": r["row"], "estimated_bytes": r["bytes"]} for r in estimate["rows"]]
     record.rows.append({"row": "measured peak", "measured_bytes": result.peak_bytes,
                         "reserved_bytes": result.reserved_peak_bytes})
@@ -66,7 +66,9 @@ def measure_against(arch, setup, estimate: dict[str, Any], device: str | None, s
                       "peak_phase": estimate["peak_phase"], "coefficients": estimate["coefficients"]}
     record.finish("complete")
     if store:
-        out["id"], out["store_error"] = store_record(record)
+        from mleng.results.store import save_or_reason
+
+        out["id"], out["store_error"] = save_or_reason(record)
     return out
 
 

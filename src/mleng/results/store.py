@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from mleng.errors import StoreError, UsageError
+from mleng.errors import MlengError, StoreError, UsageError
 from mleng.results.record import SCHEMA_VERSION, Measurement, check_schema, upgrade
 
 APPLICATION_ID = 0x6D6C6E67  # "mlng": marks the file as ours
@@ -392,6 +392,14 @@ def save_measurement(measurement: Measurement, store_path: str | os.PathLike | N
     """Save one record in the default (or given) store; the usual call at the end of a run."""
     with Store(store_path) as store:
         return store.save(measurement)
+
+
+def save_or_reason(measurement: Measurement) -> tuple[str | None, str | None]:
+    """(id, None) or (None, why not): a store problem at the end of a run never hides the measurement."""
+    try:
+        return save_measurement(measurement), None
+    except MlengError as exc:
+        return None, exc.message
 
 
 def check_store_writable(store_path: str | os.PathLike | None = None) -> None:

@@ -6,6 +6,7 @@ from mleng.specs.catalog import (
     Choice,
     Link,
     Source,
+    find_accelerator,
     load_accelerators,
     load_links,
     lookup,
@@ -30,7 +31,7 @@ from mleng.specs.formulas import (
 
 __all__ = [
     "DTYPES", "Accelerator", "Choice", "Link", "Source",
-    "load_accelerators", "load_links", "lookup", "lookup_accelerator", "lookup_link",
+    "find_accelerator", "load_accelerators", "load_links", "lookup", "lookup_accelerator", "lookup_link",
     "normalize_dtype", "pcie_link", "pcie_link_gbps",
     "BUSBW_FACTORS", "algbw_gbps", "busbw_factor", "busbw_gbps", "clock_behind_spec",
     "memory_clock_behind_spec", "peak_memory_bandwidth_tbps", "peak_tflops", "peak_tflops_at_clock",

@@ -322,6 +322,14 @@ def lookup_accelerator(name: str | Accelerator) -> Accelerator:
     return _accelerators()[key]
 
 
+def find_accelerator(name: str) -> tuple[Accelerator | None, str | None]:
+    """For a measurement's reference rate: (the accelerator, None) or (None, why there is none); never raises."""
+    try:
+        return lookup_accelerator(name), None
+    except MlengError as exc:
+        return None, f"no spec entry for {name!r}: {exc.message}"
+
+
 def lookup_link(key: str | Link) -> Link:
     """The link for a key or alias (nvlink-4, pcie gen5, ndr, 400gbe, efa v3); UsageError if none."""
     if isinstance(key, Link):

@@ -1,196 +1,19 @@
 """One rank of `mleng step`: build the model, wrap it (none, DDP, FSDP2), train, time each step, profile two
-more, and on rank 0 assemble the `step` record (tokens/s, MFU, MAMFU, HFU, memory, where the time goes)."""
+more; rank 0 then assembles the `step` record (record.py) before the group is torn down."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import time
 from typing import Any, Callable
 
-from mleng.errors import CheckFailed, MlengError, UsageError
-from mleng.machine.system import host_available_bytes
+from mleng.errors import MlengError, UsageError
 from mleng.measure.sizes import format_gib
-from mleng.step.config import ModelConfig, param_count
+from mleng.step.options import MAX_GRAD_NORM, StepOptions, WARMUP_MIN_S, check_fits, state_bytes
+from mleng.step.options import precheck, validate  # noqa: F401 - callers of mleng.step.run import them here
+from mleng.step.record import RankState, _summarize
 
-PARALLEL = ("none", "ddp", "fsdp")
-DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
-MAX_GRAD_NORM = 1.0
-# Bytes per parameter held for the whole run: fp32 weights 4, fp32 gradients 4, AdamW's two moments 8.
-STATE_BYTES_PER_PARAM = 16
+
 OOM_HANDBOOK = "cuda-oom-tried-to-allocate"
-
-
-@dataclasses.dataclass
-class StepOptions:
-    cfg: ModelConfig
-    seq: int | None = None        # None: the device default (2048 on GPUs, 128 on CPU)
-    micro_batch: int = 1
-    grad_accum: int = 1
-    steps: int = 10
-    warmup: int = 3
-    dtype: str | None = None      # None: bfloat16 on GPUs, float32 on CPU
-    parallel: str | None = None   # None: none at 1 rank, ddp at more
-    compile: bool | None = None   # None: on for CUDA, off on CPU
-    checkpointing: bool = False
-    lr: float = 3e-4
-    seed: int = 0
-    tokens: str | None = None
-    tokens_dtype: str = "uint16"
-    profile_steps: int = 2
-    mamf: bool = False
-    mamf_seconds: float | None = None
-    store: bool = True
-    timeout_s: float = 300.0
-    device: str | None = None     # "cpu" forces the CPU on a GPU machine
-    trace_path: str | None = None  # rank 0's profiler trace (chrome://tracing JSON)
-
-    def resolved(self, on_gpu: bool, world_size: int) -> "StepOptions":
-        """Defaults that depend on the device and the world, filled in; refuses what cannot run."""
-        out = dataclasses.replace(self)
-        out.seq = self.seq or (2048 if on_gpu else 128)
-        out.dtype = DTYPES[self.dtype] if self.dtype else ("bfloat16" if on_gpu else "float32")
-        out.parallel = self.parallel or ("none" if world_size == 1 else "ddp")
-        out.compile = on_gpu if self.compile is None else self.compile
-        out.mamf_seconds = self.mamf_seconds or (30.0 if on_gpu else 8.0)
-        if out.parallel == "none" and world_size > 1:
-            raise UsageError(f"--parallel none runs one process, but this launch has {world_size} ranks",
-                             hint="use --parallel ddp or fsdp, or run one process")
-        return out
-
-    def global_batch(self, world_size: int) -> int:
-        return self.micro_batch * self.grad_accum * world_size
-
-    def params(self, world_size: int) -> dict[str, Any]:
-        return {"model": self.cfg.to_dict(), "seq": self.seq, "micro_batch": self.micro_batch,
-                "grad_accum": self.grad_accum, "global_batch": self.global_batch(world_size),
-                "steps": self.steps, "warmup": self.warmup, "profile_steps": self.profile_steps,
-                "dtype": self.dtype, "parallel": self.parallel, "compile": self.compile,
-                "activation_checkpointing": self.checkpointing, "optimizer": "AdamW", "lr": self.lr,
-                "betas": [0.9, 0.95], "weight_decay": 0.1, "max_grad_norm": MAX_GRAD_NORM, "seed": self.seed,
-                "tokens": self.tokens, "tokens_dtype": self.tokens_dtype if self.tokens else None,
-                "mamf": self.mamf, "timeout_s": self.timeout_s, "world_size": world_size,
-                "warmup_min_s_on_gpu": WARMUP_MIN_S}
-
-
-def validate(options: StepOptions) -> None:
-    """Refuse bad numbers before torch is imported or any rank starts."""
-    for flag, value, least in (("--steps", options.steps, 1), ("--warmup", options.warmup, 0),
-                               ("--micro-batch", options.micro_batch, 1), ("--grad-accum", options.grad_accum, 1),
-                               ("--profile-steps", options.profile_steps, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise UsageError(f"{flag} {value}: must be at least {least}")
-    if options.seq is not None and (isinstance(options.seq, bool) or not isinstance(options.seq, int)
-                                    or options.seq < 1):
-        raise UsageError(f"--seq {options.seq}: must be at least 1 token")
-    if options.dtype is not None and options.dtype not in DTYPES:
-        hint = ("fp16 needs loss scaling, which mleng step does not do; use bfloat16"
-                if options.dtype in ("float16", "fp16", "half") else None)
-        raise UsageError(f"--dtype {options.dtype}: mleng step trains in bfloat16 or float32", hint=hint)
-    if options.parallel is not None and options.parallel not in PARALLEL:
-        raise UsageError(f"--parallel {options.parallel}; known: {', '.join(PARALLEL)}")
-    if not options.lr > 0:
-        raise UsageError(f"--lr {options.lr}: must be positive")
-    if options.timeout_s <= 0:
-        raise UsageError("--timeout must be positive")
-    if options.mamf_seconds is not None and options.mamf_seconds <= 0:
-        raise UsageError("--mamf-seconds must be positive")
-
-
-def state_bytes(cfg: ModelConfig, parallel: str, world_size: int) -> int:
-    """What the run holds for its whole length on each rank before any activation: weights, gradients and
-    AdamW states (16 bytes per parameter, sharded by FSDP), and at least the full fp32 model once, because
-    every rank builds it whole before FSDP shards it."""
-    params = param_count(cfg).total
-    held = STATE_BYTES_PER_PARAM * params // (world_size if parallel == "fsdp" else 1)
-    return max(held, 4 * params)
-
-
-def precheck(options: StepOptions, world_size: int, local_ranks: int) -> StepOptions:
-    """Everything that can be refused before any rank starts and without torch: the defaults of this
-    machine filled in, the fit of the model's states (NVML or /proc/meminfo), the tokens file."""
-    from mleng.distributed.launch import visible_gpu_count
-
-    on_gpu = options.device != "cpu" and visible_gpu_count() > 0
-    opts = options.resolved(on_gpu, world_size)
-    if on_gpu:
-        free = _nvml_max_free_bytes()  # lenient here; each rank checks its own GPU exactly
-        if free is not None:
-            _refuse_unless_fits(opts.cfg, opts, world_size, free, "the emptiest GPU here", 1)
-    else:
-        _refuse_unless_fits(opts.cfg, opts, world_size, host_available_bytes(), "this host", local_ranks)
-    if opts.tokens:
-        from mleng.step.data import FileTokens
-
-        FileTokens(opts.tokens, opts.tokens_dtype, opts.cfg.vocab_size, opts.seq, opts.global_batch(world_size),
-                   device=None).check_batch(0, opts.global_batch(world_size))
-    return opts
-
-
-def _nvml_max_free_bytes() -> int | None:
-    from mleng.machine.nvml import nvml
-
-    pynvml, _ = nvml()
-    if pynvml is None:  # no NVML: the rank's own check (torch.cuda.mem_get_info) remains
-        return None
-    try:
-        return max(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free
-                   for i in range(pynvml.nvmlDeviceGetCount()))
-    except Exception:  # noqa: BLE001
-        return None
-
-
-
-
-def check_fits(cfg: ModelConfig, options: StepOptions, world_size: int, device, local_ranks: int) -> None:
-    """Refuse, before allocating, a model whose states alone exceed the memory here (a clear estimate;
-    activations come on top and are left to the run)."""
-    if device.type == "cuda":
-        import torch
-
-        free, _total = torch.cuda.mem_get_info(device)
-        _refuse_unless_fits(cfg, options, world_size, free, f"{device} ({torch.cuda.get_device_name(device)})", 1)
-    else:
-        _refuse_unless_fits(cfg, options, world_size, host_available_bytes(), "this host", local_ranks)
-
-
-def _refuse_unless_fits(cfg: ModelConfig, options: StepOptions, world_size: int, have: int | None, where: str,
-                        ranks_here: int) -> None:
-    need = state_bytes(cfg, options.parallel, world_size)
-    if have is None or need * ranks_here <= have:
-        return
-    per_layer = (param_count(cfg).attention + param_count(cfg).mlp) // cfg.n_layers
-    fixed = max(param_count(cfg).total - cfg.n_layers * per_layer, 0)
-    scale = STATE_BYTES_PER_PARAM / (world_size if options.parallel == "fsdp" else 1)
-    layers_fit = int((have / ranks_here / scale - fixed) // per_layer) if have / ranks_here / scale > fixed else 0
-    hint = (f"--layers {layers_fit} or fewer keeps the width and fits the states" if layers_fit >= 1
-            else "this shape's embeddings alone do not fit; use a smaller model")
-    if options.parallel != "fsdp":
-        hint += "; or --parallel fsdp across more GPUs to shard them"
-    raise UsageError(
-        f"model {cfg.name} ({param_count(cfg).total / 1e9:.2f} B parameters) cannot fit: weights, gradients and "
-        f"AdamW states need {format_gib(need, 1)} per rank{' x ' + str(ranks_here) + ' ranks' if ranks_here > 1 else ''}"
-        f" before any activation, and {where} has {format_gib(have, 1)} free", hint=hint)
-
-
-@dataclasses.dataclass
-class RankState:
-    """What this rank measured; rank 0 builds the record from its own and the gathered ones."""
-
-    steps: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # {step, phase, time_s, loss}
-    memory: dict[str, Any] = dataclasses.field(default_factory=dict)
-    breakdown: dict[str, Any] | None = None
-    breakdown_error: str | None = None
-    identity: dict[str, Any] = dataclasses.field(default_factory=dict)
-    mamf_records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    gpu_monitor: dict[str, Any] | None = None
-    phase: str = "start"
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def portable(self) -> dict[str, Any]:
-        return {"steps": self.steps, "memory": self.memory, "breakdown": self.breakdown,
-                "breakdown_error": self.breakdown_error, "identity": self.identity,
-                "mamf_records": self.mamf_records}
 
 
 Progress = Callable[[str, int, int, dict[str, Any]], None]
@@ -245,7 +68,6 @@ def run_rank(options: StepOptions, launch, finish: Callable[[Any, list], None],
 
 
 # ------------------------------------------------------------------------------------------ the training
-
 def _train(opts: StepOptions, launch, job, device, state: RankState, progress: Progress | None) -> None:
     import torch
 
@@ -372,7 +194,6 @@ def _build(opts: StepOptions, device, world: int, rank: int, data, global_batch:
     return wrapped, step_fn
 
 
-WARMUP_MIN_S = 2.0  # on GPUs, warm-up after the first step lasts at least this long
 WARMUP_MAX_EXTRA = 200
 
 
@@ -540,148 +361,3 @@ def _oom(exc: BaseException, opts: StepOptions, state: RankState, device, world:
     hint = (f"--checkpointing (recompute activations), a smaller --micro-batch or --seq, --layers N, or "
             f"--parallel fsdp over more GPUs; `mleng handbook show {OOM_HANDBOOK}`")
     return UsageError(message, hint=hint)
-
-
-# ------------------------------------------------------------------------------------------ the record
-
-def _summarize(record, opts: StepOptions, state: RankState, job, launch, device, status: str,
-               error: str | None) -> None:
-    from mleng.distributed.runner import fingerprint
-    from mleng.measure.timing import TimingStats, process_elapsed_s
-    from mleng.step import breakdown as bd
-    from mleng.step.efficiency import dense_peak, find_stored_mamf, ratio
-    from mleng.step.flops import DEFAULT_CONVENTION, both_conventions, conventions_differ
-
-    world = launch.world_size
-    record.machine = fingerprint(gpus=device.type == "cuda")
-    if job is not None:
-        record.machine["ranks"] = [{k: v for k, v in r.items() if k not in ("params", "params_digest")}
-                                   for r in job.ranks]
-    ranks = state.info.get("ranks") or [state.portable()]
-    timed = _slowest_per_step(ranks, "timed")
-    warm = _slowest_per_step(ranks, "warmup")
-    cfg = opts.cfg
-    tokens_per_step = opts.global_batch(world) * opts.seq
-    hosts = sorted({r["host"] for r in record.machine.get("ranks", [])}) or [state.identity.get("host")]
-    devices = world if device.type == "cuda" else len(hosts)
-    flops = both_conventions(cfg, opts.seq, recompute=opts.checkpointing)
-    main = flops[DEFAULT_CONVENTION]
-    summary: dict[str, Any] = {
-        "value": None, "unit": "tokens/s per " + ("GPU" if device.type == "cuda" else "CPU host"),
-        "theoretical": None, "ratio": None,
-        "model": cfg.name, "parameters": param_count(cfg).to_dict(), "seq": opts.seq,
-        "global_batch": opts.global_batch(world), "tokens_per_step": tokens_per_step,
-        "world_size": world, "devices": devices, "device_kind": device.type,
-        "device_name": state.identity.get("name"), "dtype": opts.dtype, "parallel": opts.parallel,
-        "compile": opts.compile, "activation_checkpointing": opts.checkpointing,
-        "steps_timed": len(timed), "steps_warmup": len(warm),
-        "flop_convention": DEFAULT_CONVENTION,
-        "flops_per_token": {name: f.to_dict() for name, f in flops.items()},
-        "conventions_differ": conventions_differ(flops),
-        "data": state.info.get("data"),
-        "wall_s_from_process_start": round(process_elapsed_s(), 2),
-    }
-    rows: list[dict[str, Any]] = []
-    if timed:
-        stats = TimingStats.from_samples([s["time_s"] for s in timed])
-        tokens_per_s = tokens_per_step / stats.median_s
-        per_device = tokens_per_s / devices
-        achieved = {name: f.model * per_device / 1e12 for name, f in flops.items()}
-        hardware = {name: f.hardware * per_device / 1e12 for name, f in flops.items()}
-        peak, peak_note = dense_peak(device, state.identity, opts.dtype)
-        mamf, mamf_note = _mamf_ceiling(ranks, opts.dtype, state)
-        summary.update({
-            "value": round(per_device, 2), "ratio": ratio(achieved[DEFAULT_CONVENTION], peak),
-            "theoretical": round(peak * 1e12 / main.model, 2) if peak else None,
-            "step_time_s": stats.to_dict(), "tokens_per_s": round(tokens_per_s, 2),
-            "tokens_per_s_per_device": round(per_device, 2),
-            "tokens_per_s_per_rank": round(tokens_per_s / world, 2),
-            "tflops_per_device": {k: _sig(v) for k, v in achieved.items()},
-            "peak_tflops": peak, "theoretical_source": peak_note,
-            "mfu": ratio(achieved[DEFAULT_CONVENTION], peak), "mfu_book": ratio(achieved["book"], peak),
-            "mfu_inconclusive": None if peak else f"no sourced dense peak: {peak_note}",
-            "mamf": mamf, "mamf_note": mamf_note,
-            "mamfu": ratio(achieved[DEFAULT_CONVENTION], mamf["tflops"] if mamf else None),
-            "mamfu_book": ratio(achieved["book"], mamf["tflops"] if mamf else None),
-            "hfu": ratio(hardware[DEFAULT_CONVENTION], peak) if opts.checkpointing else None,
-            "hfu_book": ratio(hardware["book"], peak) if opts.checkpointing else None,
-        })
-        if summary["mamfu"] is not None and summary["mamfu"] > 1.0:
-            # Not a ceiling then: the MAMF search was cut short or disturbed. Said, not hidden or clipped.
-            summary["mamf_note"] = ((summary["mamf_note"] + "; ") if summary["mamf_note"] else "") + (
-                f"MAMFU above 100%: this step's matmuls ran faster than that MAMF run found (stop: "
-                f"{mamf.get('stop_reason')}), so it is no ceiling; measure again with `mleng mamf --max-seconds 120`")
-        rows.append({"phase": "timed", "tokens_per_s_per_device": summary["tokens_per_s_per_device"],
-                     "mfu": summary["mfu"], "mamfu": summary["mamfu"],
-                     "tflops_per_device": summary["tflops_per_device"][DEFAULT_CONVENTION],
-                     "tokens_per_s": summary["tokens_per_s"], "step_time_s_median": stats.median_s,
-                     "step_time_s_p90": stats.p90_s, "step_time_s_min": stats.min_s,
-                     "step_time_s_max": stats.max_s, "steps": stats.iters, "hfu": summary["hfu"],
-                     "peak_allocated_bytes": state.memory.get("peak_allocated_bytes")})
-    losses = [s["loss"] for s in state.steps]
-    summary["loss"] = {"first": losses[0] if losses else None, "last": losses[-1] if losses else None}
-    summary["steps"] = state.steps
-    summary["memory"] = state.memory
-    if len(ranks) > 1:
-        summary["memory_by_rank"] = [r.get("memory") for r in ranks]
-    summary["breakdown"] = state.breakdown
-    if state.breakdown:
-        rows.extend(bd.rows(state.breakdown))
-        if len(ranks) > 1:
-            summary["breakdown_by_rank"] = [r.get("breakdown") for r in ranks]
-    elif state.breakdown_error:
-        summary["breakdown_error"] = state.breakdown_error
-    summary["gpu_monitor"] = state.gpu_monitor
-    if state.info.get("trace"):
-        summary["trace"] = state.info["trace"]
-    if state.mamf_records or any(r.get("mamf_records") for r in ranks[1:]):
-        summary["mamf_measured"] = [m["id"] for r in ranks for m in (r.get("mamf_records") or [])]
-    record.rows = rows
-    record.summary = summary
-    if status == "complete" and not timed:
-        status, error = "failed", error or "no step was timed"
-    record.finish(status, error)
-
-
-def _sig(value: float, digits: int = 6) -> float:
-    """Six significant digits: a CPU's 0.0019 TFLOPS keeps its precision, an H200's 612.345 too."""
-    return float(f"{value:.{digits}g}")
-
-
-def _slowest_per_step(ranks: list[dict[str, Any]], phase: str) -> list[dict[str, Any]]:
-    """A step of the job lasts as long as its slowest rank; steps that some rank did not finish are dropped."""
-    per_rank = [[s for s in r.get("steps") or [] if s["phase"] == phase] for r in ranks]
-    count = min((len(p) for p in per_rank), default=0)
-    return [max((p[i] for p in per_rank), key=lambda s: s["time_s"]) for i in range(count)]
-
-
-def _mamf_ceiling(ranks: list[dict[str, Any]], dtype: str, state: RankState):
-    """The slowest of the ranks' MAMFs: a run measured just now (--mamf) first, else the stored match."""
-    from mleng.step.efficiency import find_stored_mamf
-
-    found, notes = [], []
-    seen: set[str] = set()
-    for r in ranks:
-        identity = r.get("identity") or state.identity
-        key = identity.get("uuid") or f"{identity.get('host')}/{identity.get('name')}"
-        if key in seen:
-            continue  # ranks sharing one device (CPU ranks of a host) share its ceiling
-        seen.add(key)
-        fresh = [m for m in r.get("mamf_records") or [] if m["status"] == "complete" and m["summary"].get("value")]
-        if fresh:
-            m = fresh[0]
-            found.append({"id": m["id"], "tflops": float(m["summary"]["value"]), "match": "measured now (--mamf)",
-                          "started_at": m["started_at"], "best_shape": m["summary"].get("best_shape"),
-                          "stop_reason": m["summary"].get("stop_reason")})
-            continue
-        match, note = find_stored_mamf(identity, dtype)
-        if match is None:
-            notes.append(note)
-        else:
-            found.append(match)
-    if notes:
-        return None, "; ".join(dict.fromkeys(notes)) + " (`mleng step --mamf` measures one first)"
-    if not found:
-        return None, "no MAMF"
-    slowest = min(found, key=lambda m: m["tflops"])
-    return slowest, (f"the slowest of {len(found)} devices" if len(found) > 1 else None)

@@ -313,12 +313,11 @@ def theoretical_tflops(device, name: str, dtype: str, tf32: bool) -> tuple[float
     """The datasheet dense rate for this card and dtype from mleng.specs, or None with the reason."""
     if device.type == "cpu":
         return None, "no theoretical peak is kept for CPUs"
-    from mleng.specs import lookup_accelerator
+    from mleng.specs import find_accelerator
 
-    try:
-        accelerator = lookup_accelerator(name)
-    except MlengError as exc:
-        return None, f"no spec entry for {name!r}: {exc.message}"
+    accelerator, why_not = find_accelerator(name)
+    if accelerator is None:
+        return None, why_not
     value = (accelerator.tflops or {}).get(spec_key(dtype, tf32))
     if value is None:
         return None, f"spec entry {accelerator.key} has no {spec_key(dtype, tf32)} rate"

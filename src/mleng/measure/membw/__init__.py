@@ -7,10 +7,16 @@ import time
 from typing import Any, Callable, Iterable
 
 from mleng.errors import MlengError, NotAvailableError, UsageError
-from mleng.measure.sizes import format_bytes
 from mleng.machine.fingerprint import collect_for_record
 from mleng.machine.system import host_available_bytes
-from mleng.measure.timing import cpu_model_name
+from mleng.measure.membw.kernels import (
+    TRITON_READ, driver_copy, triton_available, triton_copy, triton_read, triton_write,
+)
+from mleng.measure.membw.kernels import TRITON_COPY, TRITON_WRITE  # noqa: F401 - the benches read them here
+from mleng.measure.membw.theory import add_theory, device_context, summarize
+from mleng.measure.membw.theory import hbm_theoretical_gbps, pcie_link, pcie_theoretical_gbps  # noqa: F401
+from mleng.measure.sizes import format_bytes
+
 
 TESTS = ("copy", "read", "write", "h2d", "d2h")
 CPU_TESTS = ("copy", "read", "write")
@@ -28,41 +34,6 @@ _ALIGN_BYTES = 4 * 65536
 # The write kernels broadcast a random row of this many float32 values (16 KiB): it stays in
 # L1/L2, so DRAM sees (almost) only the writes.
 _PATTERN_ELEMENTS = 4096
-# One Triton launch configuration per kernel (elements per program, warps), chosen on an H200
-# with bench/membw_h200.py (docs/results/membw_h200_bench*.json): for the copy, 4 float32 per
-# thread and 16 warps beat bigger blocks, and streaming (.cs) stores cost 5%; reads liked
-# big blocks; stores of the write kernel, 4096 with .cs. The copy tops out at ~4.28-4.30 TB/s
-# whatever does it (torch copy_, Triton, a hand-written 16-byte CUDA kernel): that is the
-# card's read+write ceiling, while read-only and write-only kernels reach 93% and 94-97%.
-TRITON_COPY = (2048, 16)
-TRITON_READ = (16384, 8)
-TRITON_WRITE = (4096, 8)
-
-
-def driver_copy(src, dst) -> tuple[Callable[[], None] | None, str | None]:
-    """A call of cuMemcpyDtoDAsync (libcuda) from src to dst on torch's current stream, or None and why not."""
-    import ctypes
-
-    import torch
-
-    if getattr(torch.version, "hip", None):
-        return None, "the CUDA driver copy is NVIDIA-only (this is a ROCm build)"
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        memcpy = lib.cuMemcpyDtoDAsync_v2
-    except (OSError, AttributeError) as exc:
-        return None, f"libcuda.so.1 has no cuMemcpyDtoDAsync_v2 here ({exc})"
-    memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-    memcpy.restype = ctypes.c_int
-    nbytes = src.numel() * src.element_size()
-
-    def call() -> None:
-        code = memcpy(dst.data_ptr(), src.data_ptr(), nbytes, torch.cuda.current_stream().cuda_stream)
-        if code != 0:
-            raise MlengError(f"cuMemcpyDtoDAsync failed with CUDA driver error {code}",
-                             hint="run `mleng membw --engine torch` and report the error code")
-
-    return call, None
 
 
 def round_size(size_bytes: int) -> int:
@@ -73,132 +44,7 @@ def round_size(size_bytes: int) -> int:
     return rounded
 
 
-# --- specs ------------------------------------------------------------------------------------
-
-def hbm_theoretical_gbps(device_name: str) -> tuple[float | None, str | None]:
-    """The datasheet memory bandwidth of a GPU in GB/s, or None and why not."""
-    from mleng.specs import lookup_accelerator
-
-    try:
-        accelerator = lookup_accelerator(device_name)
-    except MlengError as exc:
-        return None, f"no spec entry for {device_name!r}: {exc.message}"
-    tbps = getattr(accelerator, "memory_bandwidth_tbps", None)
-    if not tbps:
-        return None, f"the spec entry {accelerator.key!r} has no memory bandwidth"
-    return float(tbps) * 1000.0, f"mleng.specs {accelerator.key} ({accelerator.name})"
-
-
-def pcie_theoretical_gbps(gen: int | None, width: int | None) -> tuple[float | None, str | None]:
-    """One direction of a PCIe link in GB/s from mleng.specs, or None and why not."""
-    if not gen or not width:
-        return None, "the PCIe generation and width could not be read (NVML)"
-    from mleng.specs import pcie_link_gbps
-
-    try:
-        return float(pcie_link_gbps(int(gen), int(width))), f"mleng.specs pcie_link_gbps(gen={gen}, width={width})"
-    except MlengError as exc:
-        return None, exc.message
-
-
-def pcie_link(device_index: int) -> dict[str, Any]:
-    """PCIe generation and width of a torch CUDA device, read from NVML by PCI bus id.
-
-    The max values are what the GPU and slot negotiated as their best; the current ones drop
-    at idle (power saving), so the theoretical rate uses the max.
-    """
-    link: dict[str, Any] = {"gen": None, "width": None, "gen_current": None, "width_current": None,
-                            "source": None}
-    from mleng.machine.nvml import nvml, torch_pci_bus_id
-
-    pynvml, reason = nvml()
-    if pynvml is None:  # NVML missing or not loadable: say so, measure anyway
-        link["source"] = f"NVML unavailable: {reason}"
-        return link
-    try:
-        bus_id = torch_pci_bus_id(device_index)
-        handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
-        link["gen"] = pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle)
-        link["width"] = pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle)
-        link["gen_current"] = pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle)
-        link["width_current"] = pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle)
-        link["source"] = f"NVML {bus_id}"
-    except Exception as exc:
-        link["source"] = f"NVML could not read the PCIe link: {exc}"
-    return link
-
-
-# --- Triton kernels (optional; imported only when used) ----------------------------------------
-
-_triton_kernels: dict[str, Any] | None = None
-
-
-def triton_available() -> tuple[bool, str | None]:
-    try:
-        import triton  # noqa: F401
-    except Exception as exc:
-        return False, f"triton cannot be imported: {exc}"
-    return True, None
-
-
-def triton_kernels() -> dict[str, Any]:
-    """Copy, read and write kernels with 16-byte loads and stores, compiled on first use."""
-    global _triton_kernels
-    if _triton_kernels is not None:
-        return _triton_kernels
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def copy_kernel(src_ptr, dst_ptr, BLOCK: tl.constexpr, STREAMING: tl.constexpr):
-        # int64 offsets: tensors past 8 GiB of float32 overflow int32 indices.
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        if STREAMING:
-            # Each byte is touched once: keep it from displacing anything in L2.
-            values = tl.load(src_ptr + offsets, eviction_policy="evict_first")
-            tl.store(dst_ptr + offsets, values, cache_modifier=".cs")
-        else:
-            tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets))
-
-    @triton.jit
-    def read_kernel(src_ptr, partial_ptr, BLOCK: tl.constexpr):
-        # One partial sum per block: 4 bytes written per BLOCK*4 read, counted in bytes_moved.
-        pid = tl.program_id(0)
-        offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        values = tl.load(src_ptr + offsets, eviction_policy="evict_first")
-        tl.store(partial_ptr + pid, tl.sum(values, axis=0))
-
-    @triton.jit
-    def write_kernel(pattern_ptr, dst_ptr, BLOCK: tl.constexpr, PATTERN: tl.constexpr):
-        # The same random PATTERN values (cached after the first block) stored into every
-        # block: non-constant data, and DRAM sees only the stores.
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        values = tl.load(pattern_ptr + (tl.arange(0, BLOCK) % PATTERN))
-        tl.store(dst_ptr + offsets, values, cache_modifier=".cs")
-
-    _triton_kernels = {"copy": copy_kernel, "read": read_kernel, "write": write_kernel}
-    return _triton_kernels
-
-
-def triton_copy(src, dst, block: int = TRITON_COPY[0], num_warps: int = TRITON_COPY[1],
-                streaming: bool = False) -> None:
-    grid = (src.numel() // block,)
-    triton_kernels()["copy"][grid](src, dst, BLOCK=block, STREAMING=streaming, num_warps=num_warps)
-
-
-def triton_read(src, partial, block: int = TRITON_READ[0], num_warps: int = TRITON_READ[1]) -> None:
-    grid = (src.numel() // block,)
-    triton_kernels()["read"][grid](src, partial, BLOCK=block, num_warps=num_warps)
-
-
-def triton_write(pattern, dst, block: int = TRITON_WRITE[0], num_warps: int = TRITON_WRITE[1]) -> None:
-    grid = (dst.numel() // block,)
-    triton_kernels()["write"][grid](pattern, dst, BLOCK=block, PATTERN=min(block, pattern.numel()),
-                                    num_warps=num_warps)
-
-
 # --- one device -------------------------------------------------------------------------------
-
 def _row(device: str, test: str, engine: str, size_bytes: int, bytes_moved: int, stats,
          host_memory: str | None = None) -> dict[str, Any]:
     return {
@@ -221,8 +67,6 @@ def _row(device: str, test: str, engine: str, size_bytes: int, bytes_moved: int,
 
 
 HOST_MARGIN_BYTES = 512 * 2**20  # the process, torch and the cache-flush buffer besides the test buffers
-
-
 
 
 def check_host_memory(size_bytes: int, what: str) -> None:
@@ -409,7 +253,6 @@ def _telemetry(monitor, since: float | None) -> dict[str, Any]:
 
 
 # --- several GPUs at once: one process per GPU -------------------------------------------------
-
 def _worker(worker_index: int, device: str, kwargs: dict[str, Any], barrier, queue) -> None:
     import signal
 
@@ -491,7 +334,6 @@ class PartialResult(Exception):
 
 
 # --- the whole run ----------------------------------------------------------------------------
-
 def cuda_device_count() -> int:
     try:
         import torch
@@ -517,74 +359,6 @@ def resolve_devices(device: int | None, all_devices: bool) -> list[str]:
     return ["cuda:0"] if count else ["cpu"]
 
 
-def device_context(devices: list[str]) -> dict[str, dict[str, Any]]:
-    """Name, spec bandwidth and PCIe link of each device, for the comparison with theory."""
-    import torch
-
-    context: dict[str, dict[str, Any]] = {}
-    for device in devices:
-        if device == "cpu":
-            context[device] = {"name": cpu_model_name(), "hbm_gbps": None,
-                               "hbm_source": "no reference bandwidth for CPU memory (DIMM population unknown)",
-                               "pcie": None}
-            continue
-        index = torch.device(device).index or 0
-        name = torch.cuda.get_device_name(index)
-        hbm_gbps, hbm_source = hbm_theoretical_gbps(name)
-        link = pcie_link(index)
-        pcie_gbps, pcie_source = pcie_theoretical_gbps(link["gen"], link["width"])
-        context[device] = {"name": name, "hbm_gbps": hbm_gbps, "hbm_source": hbm_source,
-                           "pcie": {**link, "theoretical_gbps": pcie_gbps, "theoretical_source": pcie_source}}
-    return context
-
-
-def add_theory(rows: list[dict[str, Any]], context: dict[str, dict[str, Any]]) -> None:
-    for row in rows:
-        if "gbps" not in row:
-            continue
-        info = context.get(row["device"], {})
-        if row["test"] in ("h2d", "d2h"):
-            theoretical = (info.get("pcie") or {}).get("theoretical_gbps")
-        else:
-            theoretical = info.get("hbm_gbps")
-        row["theoretical_gbps"] = theoretical
-        row["ratio"] = row["gbps"] / theoretical if theoretical else None
-
-
-def summarize(rows: list[dict[str, Any]], context: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Headline: the best copy bandwidth (the slowest device's, when several ran) against the spec."""
-    measured = [r for r in rows if "gbps" in r]
-    per_device: dict[str, dict[str, Any]] = {}
-    random_writes = {r["device"] for r in measured if r["test"] == "write" and not r.get("constant_data")}
-    for row in measured:
-        if row.get("constant_data") and row["device"] in random_writes:
-            continue  # a store of random data ran: the headline uses that, not the constant fill
-        key = row["test"] if not row.get("host_memory") else f"{row['test']}_{row['host_memory']}"
-        entry = per_device.setdefault(row["device"], {"name": context.get(row["device"], {}).get("name")})
-        if key == "copy":
-            entry.setdefault("copy_gbps_by_engine", {})[row["engine"]] = row["gbps"]
-        best = entry.get(f"{key}_gbps")
-        if best is None or row["gbps"] > best:
-            entry[f"{key}_gbps"] = row["gbps"]
-            entry[f"{key}_engine"] = row["engine"]
-            entry[f"{key}_ratio"] = row.get("ratio")
-    summary: dict[str, Any] = {"value": None, "unit": "GB/s", "theoretical": None, "ratio": None,
-                               "metric": "copy bandwidth (bytes read + written) / time, median",
-                               "per_device": per_device}
-    copies = [(d, e["copy_gbps"]) for d, e in per_device.items() if e.get("copy_gbps") is not None]
-    if copies:
-        device, value = min(copies, key=lambda item: item[1])
-        theoretical = context.get(device, {}).get("hbm_gbps")
-        summary.update(value=value, device=device, theoretical=theoretical,
-                       ratio=value / theoretical if theoretical else None,
-                       theoretical_source=context.get(device, {}).get("hbm_source"))
-    for key in ("read", "write", "h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable"):
-        values = [e[f"{key}_gbps"] for e in per_device.values() if e.get(f"{key}_gbps") is not None]
-        if values:
-            summary[f"{key}_gbps"] = min(values)
-    return summary
-
-
 def run_membw(*, device: int | None = None, all_devices: bool = False, size_bytes: int | None = None,
               tests: Iterable[str] = TESTS, engines: Iterable[str] | None = None, iters: int = 20,
               warmup: int = 5, threads: int | None = None,
@@ -594,8 +368,8 @@ def run_membw(*, device: int | None = None, all_devices: bool = False, size_byte
 
     tests = list(tests)
     unknown = [t for t in tests if t not in TESTS]
-    if unknown:
-        raise UsageError(f"unknown test(s) {', '.join(unknown)}", hint=f"choose from {', '.join(TESTS)}")
+    if unknown or not tests:
+        raise UsageError(f"unknown test(s) {', '.join(unknown) or '(none given)'}", hint=f"choose from {', '.join(TESTS)}")
     if iters < 1 or warmup < 0:
         raise UsageError("--iters must be at least 1 and --warmup at least 0")
     devices = resolve_devices(device, all_devices)
@@ -669,5 +443,3 @@ def _finish(m, rows, context, t0, status, error):
     m.summary["wall_s"] = round(time.monotonic() - t0, 2)
     m.summary["devices"] = context
     return m.finish(status, error)
-
-
