@@ -81,3 +81,33 @@ def test_cli_json_and_bad_input(run_mleng):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     negative = run_mleng("upgrade", "--from", "h200", "--to", "b200", "--price-from", "-1", "--price-to", "6.0")
     assert negative.returncode == 2 and "positive" in negative.stderr
+
+
+def test_from_step_uses_the_measured_mfu_of_a_stored_h200_step_run(run_mleng):
+    from pathlib import Path
+
+    from mleng.results.store import Store
+
+    record = json.loads((Path(__file__).parent / "fixtures" / "records" / "step_h200_8b_4l_compiled.json").read_text())
+    with Store() as store:
+        run_id = store.save(record)
+    prices = ["--to", "b200", "--price-from", "3.5", "--price-to", "6.0"]
+    assumed = json.loads(run_mleng("upgrade", "--from", "h200", *prices, "--json").stdout)
+    measured_run = run_mleng("upgrade", "--from", "h200", *prices, "--from-step", run_id, "--json")
+    assert measured_run.returncode == 0, measured_run.stderr
+    measured = json.loads(measured_run.stdout)
+    assert measured["cost"]["assumed_mfu_from"] == pytest.approx(record["summary"]["mfu"])
+    assert run_id in measured["cost"]["mfu_source"]
+    # the same work at 55% instead of 40% MFU costs proportionally less per token on the old GPU
+    old_cost = assumed["cost"]["cost_per_million_tokens"]["from"]
+    assert measured["cost"]["cost_per_million_tokens"]["from"] == pytest.approx(old_cost * 0.40 / record["summary"]["mfu"],
+                                                                                rel=0.02)
+    human = run_mleng("upgrade", "--from", "h200", *prices, "--from-step", run_id)
+    assert f"measured by mleng step run {run_id}" in human.stdout
+
+    for argv, words in ((["--from", "h100", *prices, "--from-step", run_id], "not on NVIDIA H100"),
+                        (["--from", "h200", *prices, "--from-step", run_id, "--mfu", "0.3"], "--mfu and --from-step"),
+                        (["--from", "h200", *prices, "--from-step", run_id, "--dtype", "fp8"], "bfloat16 peak"),
+                        (["--from", "h200", *prices, "--from-step", "nope"], "nope")):
+        bad = run_mleng("upgrade", *argv)
+        assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

@@ -30,8 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, help="layer count (default: estimated from --model-params)")
     parser.add_argument("--dtype", default="bf16", help="compute dtype for the rates (default bf16)")
     parser.add_argument("--need-dtype", help="a dtype the recipe cannot do without (e.g. fp4): gate 1")
-    parser.add_argument("--mfu", type=float, default=0.40,
+    parser.add_argument("--mfu", type=float,
                         help="model FLOPs utilization on --from, for cost per million tokens (default 0.40)")
+    parser.add_argument("--from-step", metavar="ID",
+                        help="stored `mleng step` run measured on --from: its MFU replaces the assumed --mfu")
     parser.add_argument("--memory-fixed-gib", type=float,
                         help="per-GPU memory independent of seq_len (default: the book's 8B ZeRO-3 config, scaled)")
     parser.add_argument("--memory-per-token-gib", type=float, help="per-GPU memory per token of seq_len")
@@ -66,6 +68,41 @@ def _mamf_value(run_id: str | None) -> float | None:
     return float(m.summary["value"])
 
 
+def _step_mfu(run_id: str, old, dtype: str) -> tuple[float, str]:
+    """The measured MFU of a stored `mleng step` run on the --from GPU, and where it came from."""
+    from mleng.measure.dtypes import ALIASES
+    from mleng.results.store import Store
+    from mleng.specs import lookup_accelerator
+
+    with Store(create=False) as store:
+        m = store.get(run_id)
+    hint = "pass the id of a `mleng step` run made on the --from GPU (`mleng results list --kind step`)"
+    if m.kind != "step":
+        raise UsageError(f"run {m.id} is a {m.kind} run, not a `mleng step` run", hint=hint)
+    summary = m.summary
+    mfu = summary.get("mfu")
+    if not isinstance(mfu, (int, float)) or not 0 < mfu <= 1:
+        raise UsageError(f"run {m.id} has no MFU ({summary.get('device_name') or 'its device'} has no sourced peak, "
+                         "or it ran on a CPU)", hint=hint)
+    try:
+        device = lookup_accelerator(str(summary.get("device_name")))
+    except UsageError:
+        device = None
+    if device is None or device.key != old.key:
+        raise UsageError(f"run {m.id} ran on {summary.get('device_name')}, not on {old.name} (--from)", hint=hint)
+    def torch_name(text: str) -> str:
+        key = str(text).strip().lower().replace("torch.", "")
+        return ALIASES.get(key, key)
+
+    if torch_name(summary.get("dtype")) != torch_name(dtype):
+        raise UsageError(f"run {m.id} measured MFU against the {summary.get('dtype')} peak; --dtype is {dtype}",
+                         hint=f"pass --dtype {summary.get('dtype')} or a step run made at {dtype}")
+    source = (f"mleng step run {m.id} ({summary.get('model')}, seq {summary.get('seq')}, {summary.get('parallel')}, "
+              f"compile {'on' if summary.get('compile') else 'off'}, {summary.get('world_size')} rank(s) on {summary.get('device_name')}; "
+              f"{summary.get('flop_convention')} FLOP convention)")
+    return float(mfu), source
+
+
 def run(args: argparse.Namespace) -> int:
     decision = result(args)
     if args.json:
@@ -82,12 +119,18 @@ def result(args: argparse.Namespace) -> dict:
 
     if (args.from_run is None) != (args.to_run is None):
         raise UsageError("--from-run and --to-run go together", hint="give both stored MAMF runs, or neither")
+    old = lookup_accelerator(args.from_gpu)
+    mfu, mfu_source = (args.mfu if args.mfu is not None else 0.40), None
+    if args.from_step:
+        if args.mfu is not None:
+            raise UsageError("--mfu and --from-step both give the MFU", hint="keep one: the measured run or the number")
+        mfu, mfu_source = _step_mfu(args.from_step, old, args.dtype)
     workload = Workload(kind=args.workload, seq_len=args.seq_len, model_params=args.model_params,
                         hidden=args.hidden, layers=args.layers, dtype=args.dtype, need_dtype=args.need_dtype,
-                        mfu=args.mfu, memory_fixed_gib=args.memory_fixed_gib,
+                        mfu=mfu, mfu_source=mfu_source, memory_fixed_gib=args.memory_fixed_gib,
                         memory_per_token_gib=args.memory_per_token_gib, gpus=args.gpus, model=args.model,
                         zero=args.zero, recompute=args.recompute, micro_batch=args.micro_batch)
-    return decide(lookup_accelerator(args.from_gpu), lookup_accelerator(args.to_gpu), args.price_from,
+    return decide(old, lookup_accelerator(args.to_gpu), args.price_from,
                   args.price_to, workload, _mamf_value(args.from_run), _mamf_value(args.to_run))
 
 

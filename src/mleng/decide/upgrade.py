@@ -40,6 +40,7 @@ class Workload:
     dtype: str = "bf16"
     need_dtype: str | None = None
     mfu: float = 0.40  # on the old GPU; only used to express cost per million tokens
+    mfu_source: str | None = None  # a stored `mleng step` run that measured it, else assumed
     memory_fixed_gib: float | None = None
     memory_per_token_gib: float | None = None
     gpus: int = REFERENCE_GPUS  # GPUs the model state is sharded over (ZeRO-3 / FSDP)
@@ -108,7 +109,12 @@ def assumptions(workload: Workload) -> list[str]:
     if not (workload.hidden and workload.layers):
         out.append(f"model shape hidden {hidden}, {layers} layers, estimated from the parameter count "
                    "(--hidden, --layers)")
-    out.append(f"{workload.mfu * 100:.0f}% MFU on the old GPU, for $ per million tokens only (--mfu)")
+    if workload.mfu_source:
+        out.append(f"{workload.mfu * 100:.1f}% MFU on the old GPU, measured by {workload.mfu_source}, for $ per "
+                   "million tokens only (--from-step)")
+    else:
+        out.append(f"{workload.mfu * 100:.0f}% MFU on the old GPU, assumed, for $ per million tokens only "
+                   "(--mfu, or --from-step ID to use a measured one)")
     out.append(f"usable memory is {USABLE_MEMORY_FRACTION * 100:.0f}% of the datasheet's (CUDA context, NCCL "
                "buffers, allocator slack)")
     return out
@@ -271,6 +277,7 @@ def decide(old: Any, new: Any, price_old: float, price_new: float, workload: Wor
             "cost_per_token_ratio": round(cost_ratio, 3),
             "break_even_price_to": round(break_even_price, 2),
             "assumed_mfu_from": workload.mfu,
+            "mfu_source": workload.mfu_source or "assumed (--mfu)",
         },
         "verdict": verdict,
         "reasons": reasons,
