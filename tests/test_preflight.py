@@ -259,3 +259,26 @@ def test_stragglers_are_judged_against_the_median_of_the_others():
     assert stragglers({"a": 1.0, "b": 0.7}, 0.6) == []
     assert stragglers({0: 1.0, 1: 0.1}, 0) == []  # 0 names none
     assert stragglers({0: 1.0}, 0.6) == []
+
+
+def test_a_group_made_without_naming_a_backend_is_probed_with_the_one_for_its_device(mleng_home):
+    # Trainer/accelerate call init_process_group() with no backend: torch reports it as 'undefined'.
+    script = textwrap.dedent('''
+        import os, socket
+        import torch.distributed as dist
+        import mleng
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+        dist.init_process_group()
+        print("torch says", dist.get_backend())
+        mleng.preflight(max_seconds=5)
+        dist.destroy_process_group()
+    ''')
+    env = dict(os.environ, MLENG_HOME=str(mleng_home), PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "torch says undefined" in proc.stdout
+    out = proc.stdout + proc.stderr
+    assert "backend gloo" in out and "undefined" not in out.replace("torch says undefined", ""), out

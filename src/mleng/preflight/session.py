@@ -49,6 +49,9 @@ class _Session:
             self.mode = "job's group"
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self.backend = str(dist.get_backend())
+            if self.backend == "undefined" or ":" in self.backend:
+                # A group made without naming a backend holds one per device type (cpu:gloo, cuda:nccl).
+                self.backend = "nccl" if torch.cuda.is_available() else "gloo"
             if "nccl" in self.backend and torch.cuda.is_available():
                 self.device = f"cuda:{torch.cuda.current_device()}"
             try:
