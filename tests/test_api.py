@@ -136,7 +136,7 @@ def test_measurements_return_the_record_the_cli_stores(tmp_path):
         assert store.get(record.id).to_dict() == json.loads(json.dumps(record.to_dict(), default=str))
     storage = mleng.io(tmp_path, size="4MiB", jobs=1, duration=0.2, op="ckpt-save", engine="native",
                        no_store=True)
-    assert storage.kind == "storage" and [r["workload"] for r in storage.rows] == ["ckpt-save"]
+    assert storage.kind == "io" and [r["workload"] for r in storage.rows] == ["ckpt-save"]
     doctor = mleng.doctor(no_measure=True, no_store=True)
     assert doctor.kind == "doctor" and doctor.summary["verdict"] in ("ok", "warn", "fail")
     assert {"check", "severity", "summary"} <= set(doctor.rows[0])
@@ -146,11 +146,11 @@ def test_measurements_return_the_record_the_cli_stores(tmp_path):
 
 def test_check_runs_its_own_ranks_and_returns_their_record():
     record = mleng.check(nproc=2, timeout=30)
-    assert record.kind == "connectivity" and record.summary["verdict"] == "ok"
+    assert record.kind == "check" and record.summary["verdict"] == "ok"
     assert record.summary["world_size"] == 2 and len(record.rows) == 2
     with pytest.raises(CheckFailed, match="rank 0 .* could not allocate 1e\\+06 GiB") as caught:
         mleng.check(nproc=1, timeout=30, alloc_gib=10**6)  # the CLI's exit 1: its error, the record with it
-    assert caught.value.measurement.kind == "connectivity"
+    assert caught.value.measurement.kind == "check"
     assert caught.value.hint == "look at the ranks and hosts named above"
 
 

@@ -384,11 +384,11 @@ def seed_store(tmp_path_factory) -> dict:
     commands = {
         "mamf": ["mamf", "--device", "cpu", "--max-seconds", "4", "--min-dim", "128", "--max-dim", "256"],
         "membw": ["membw", "--size", "4M", "--iters", "2", "--warmup", "1"],
-        "storage": ["io", str(data), "--size", "8M", "--jobs", "1", "--duration", "0.3", "--files", "20",
-                    "--engine", "native"],
-        "collective": ["comm", "--nproc", "2", "-b", "64K", "-e", "256K", "--iters", "2", "--warmup", "1",
-                       "--repeats", "2", "--timeout", "60"],
-        "connectivity": ["check", "--nproc", "2", "--timeout", "60"],
+        "io": ["io", str(data), "--size", "8M", "--jobs", "1", "--duration", "0.3", "--files", "20",
+               "--engine", "native"],
+        "comm": ["comm", "--nproc", "2", "-b", "64K", "-e", "256K", "--iters", "2", "--warmup", "1",
+                 "--repeats", "2", "--timeout", "60"],
+        "check": ["check", "--nproc", "2", "--timeout", "60"],
         "doctor": ["doctor", "--fingerprint", str(HEALTHY)],
     }
     procs = {kind: subprocess.Popen([sys.executable, "-m", "mleng", *argv, "--json"], stdout=subprocess.PIPE,
@@ -594,7 +594,7 @@ def test_compare_a_real_record_of_every_kind_with_itself_is_one_everywhere(seed_
     from mleng.results.compare import compare_measurements
     from mleng.results.record import Measurement
 
-    assert set(seed_store["records"]) == {"mamf", "membw", "storage", "collective", "connectivity", "doctor"}
+    assert set(seed_store["records"]) == {"mamf", "membw", "io", "comm", "check", "doctor"}
     for kind, data in seed_store["records"].items():
         record = Measurement.from_dict(data)
         result = compare_measurements(record, record)

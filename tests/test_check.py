@@ -14,7 +14,7 @@ def test_healthy_job_reports_every_rank(mleng_home):
     done = mleng("check", "--nproc", "2", "--alloc-gib", "0.01", "--timeout", "20", "--json", home=mleng_home)
     assert done.returncode == 0, done.stderr
     record = json.loads(done.stdout)
-    assert record["kind"] == "connectivity" and record["summary"]["verdict"] == "ok"
+    assert record["kind"] == "check" and record["summary"]["verdict"] == "ok"
     assert record["summary"]["problems"] == [] and record["summary"]["world_size"] == 2
     rows = record["rows"]
     assert [r["rank"] for r in rows] == [0, 1] and [r["local_rank"] for r in rows] == [0, 1]
@@ -63,7 +63,7 @@ def test_missing_rank_contract_and_missing_master(mleng_home):
     assert f"rank 1 could not reach rank 0's store at 127.0.0.1:{port_b} within 10 s" in err1
     assert "Traceback" not in err1 and "frame #" not in err1
     with Store() as store:  # the failed run is on record too
-        (listed,) = store.list(kind="connectivity")
+        (listed,) = store.list(kind="check")
         assert listed["status"] == "failed"
 
 
@@ -79,7 +79,7 @@ def test_pairs_matrix_at_four_ranks(mleng_home):
         for j, cell in enumerate(row[1:]):
             assert cell == "-" if i == j else float(cell.rstrip("*")) > 0
     with Store() as store:
-        (listed,) = store.list(kind="connectivity")
+        (listed,) = store.list(kind="check")
         pairs = store.get(listed["id"]).summary["pairs"]
     assert pairs["members"] == [0, 1, 2, 3] and len(pairs["matrix_gbps"]) == 4 and pairs["slow"] == []
 

@@ -75,7 +75,7 @@ def test_every_op_checks_correct_with_its_busbw_factor(n, mleng_home):
                  "--iters", "3", "--warmup", "1", "--repeats", "2", "--json", home=mleng_home)
     assert done.returncode == 0, done.stderr
     record = json.loads(done.stdout)
-    assert record["kind"] == "collective" and record["status"] == "complete"
+    assert record["kind"] == "comm" and record["status"] == "complete"
     check_rows(record["rows"], n)
     assert len(record["rows"]) == 2 * len(OPS)
     assert record["params"]["world_size"] == n and record["params"]["launch"] == "spawned"
@@ -84,7 +84,7 @@ def test_every_op_checks_correct_with_its_busbw_factor(n, mleng_home):
     assert record["summary"]["theoretical_source"] == "no reference rate for gloo over loopback"
     assert record["summary"]["wrong"] == 0
     with Store() as store:  # rank 0 alone stored exactly one record
-        assert [r["id"] for r in store.list(kind="collective")] == [record["id"]]
+        assert [r["id"] for r in store.list(kind="comm")] == [record["id"]]
 
 
 def test_blocking_plot_and_min_busbw_failure(mleng_home, tmp_path):
@@ -100,7 +100,7 @@ def test_blocking_plot_and_min_busbw_failure(mleng_home, tmp_path):
     assert "reference: no reference rate for gloo over loopback (inconclusive)" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with Store() as store:
-        (listed,) = store.list(kind="collective")
+        (listed,) = store.list(kind="comm")
         record = store.get(listed["id"])
     assert record.summary["below_min_busbw"] == ["all_reduce", "send_recv"]
     assert len(record.rows) == 6 and all(r["samples"] == 4 for r in record.rows)
@@ -211,7 +211,7 @@ def test_a_rank_that_dies_mid_run_is_named(mleng_home):
     assert "a peer closed its connection" in err or "did not complete within" in err, err
     assert "Traceback" not in err
     with Store() as store:
-        (listed,) = store.list(kind="collective")
+        (listed,) = store.list(kind="comm")
         assert listed["status"] == "failed"
 
 
@@ -249,6 +249,6 @@ def test_ctrl_c_keeps_the_rows_measured_so_far(mleng_home):
     assert proc.returncode == 130, err
     assert "status: interrupted" in out and "Traceback" not in err
     with Store() as store:
-        (listed,) = store.list(kind="collective")
+        (listed,) = store.list(kind="comm")
         record = store.get(listed["id"])
     assert record.status == "interrupted" and len(record.rows) >= 1

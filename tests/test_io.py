@@ -48,7 +48,7 @@ def test_every_workload_runs_and_cleans_up(run_mleng, target, engine):
     result = run_mleng("io", str(target), *QUICK, "--engine", engine, "--json")
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
-    assert record["kind"] == "storage" and record["status"] == "complete"
+    assert record["kind"] == "io" and record["status"] == "complete"
     workloads = [r["workload"] for r in record["rows"]]
     assert workloads == ["ckpt-save", "ckpt-load", "rand-read-4k", "rand-read-1m",
                          "metadata-create", "metadata-stat", "metadata-delete"]

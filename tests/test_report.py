@@ -42,7 +42,7 @@ def _all_devices_mamf() -> Measurement:
 
 
 def _collective() -> Measurement:
-    m = Measurement.start("collective", {"ops": ["all_reduce"]}, machine={"host": {"hostname": "node3"}})
+    m = Measurement.start("comm", {"ops": ["all_reduce"]}, machine={"host": {"hostname": "node3"}})
     for i, size in enumerate(2**p for p in range(15, 35)):
         m.rows.append({"op": "all_reduce", "size_bytes": size, "count": size // 2, "dtype": "bfloat16",
                        "time_us": 10 + size / 3e5, "algbw_gbps": min(200.0, size / 1e8), "busbw_gbps": min(367.0, size / 5e7)})

@@ -195,3 +195,24 @@ def test_schema_file_lists_every_record_field():
 
     schema = json.loads(resources.files("mleng.results").joinpath("measurement.schema.json").read_text())
     assert set(schema["required"]) == set(_measurement(1.0).to_dict())
+
+
+def test_records_of_former_kinds_are_read_as_the_commands_names(run_mleng):
+    """Kinds are the commands' names; a store of an earlier mleng holds collective, connectivity and storage."""
+    from mleng.results.store import kinds_stored
+
+    old = {command: _measurement(1.0, kind=former).to_dict()
+           for former, command in (("collective", "comm"), ("connectivity", "check"), ("storage", "io"))}
+    with Store() as store:
+        for record in old.values():
+            store.save(record)
+    with sqlite3.connect(default_store_path()) as conn:  # as an earlier version wrote them
+        for former, command in (("collective", "comm"), ("connectivity", "check"), ("storage", "io")):
+            conn.execute("UPDATE measurements SET kind = ? WHERE id = ?", (former, old[command]["id"]))
+    with Store() as store:
+        assert [r["id"] for r in store.list(kind="comm")] == [old["comm"]["id"]]
+        assert [r["kind"] for r in store.list(kind="collective")] == ["comm"]
+        assert store.get(old["io"]["id"]).kind == "io"
+        assert kinds_stored(store) == {"comm": 1, "check": 1, "io": 1}
+    listed = json.loads(run_mleng("results", "list", "--kind", "check", "--json").stdout)["results"]
+    assert [(r["id"], r["kind"]) for r in listed] == [(old["check"]["id"], "check")]

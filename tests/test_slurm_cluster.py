@@ -70,7 +70,7 @@ def test_two_node_check_merges_into_one_record_with_a_row_per_node(slurm_mleng, 
     print(f"check: submit to result {out['job']['submit_to_result_s']:.1f} s (CLI wall {done.wall_s:.1f} s)")
     assert out["job"]["state"] == "COMPLETED" and out["job"]["exit_code"] == 0
     record = out["record"]
-    assert record["kind"] == "connectivity" and record["status"] == "complete"
+    assert record["kind"] == "check" and record["status"] == "complete"
     assert record["summary"]["world_size"] == 2 and record["summary"]["verdict"] == "ok"
     assert sorted(r["rank"] for r in record["rows"]) == [0, 1]
     assert sorted(r["node"] for r in record["rows"]) == ["n1", "n2"]
@@ -95,7 +95,7 @@ def test_two_node_comm_with_gloo(slurm_mleng, tmp_path):
     out = json.loads(done.stdout)
     print(f"comm: submit to result {out['job']['submit_to_result_s']:.1f} s (CLI wall {done.wall_s:.1f} s)")
     record = out["record"]
-    assert record["kind"] == "collective" and record["status"] == "complete"
+    assert record["kind"] == "comm" and record["status"] == "complete"
     assert record["params"]["world_size"] == 2 and record["params"]["backend"] == "gloo"
     assert {r["size_bytes"] for r in record["rows"]} == {1 << 20, 2 << 20}
     assert all(r["busbw_gbps"] > 0 for r in record["rows"])

@@ -237,7 +237,7 @@ def io(path: str | os.PathLike[str], *, size: str | int = "1GiB", jobs: int = 4,
        op: Sequence[str] | str | None = None, engine: str = "auto", baseline: str | None = None, files: int = 2000,
        no_store: bool = False) -> "Measurement":
     """Checkpoint save/load, dataloader random reads and metadata rates of the file system holding `path`
-    (`mleng io PATH --json`): a Measurement of kind 'storage'.
+    (`mleng io PATH --json`): a Measurement of kind 'io'.
 
     Example:
         >>> record = mleng.io("/tmp", size="64MiB", jobs=2, duration=1, op="ckpt-save", no_store=True)
@@ -283,7 +283,7 @@ def comm(*, op: Sequence[str] | str | None = None, min_bytes: str | int = "1M", 
          timeout: float = 120.0, min_busbw: float | None = None, reference_gbps: float | None = None,
          plot: str | os.PathLike[str] | None = None, no_store: bool = False,
          no_cuda_graph: bool = False) -> "Measurement":
-    """Collective bandwidth, busbw/algbw as nccl-tests (`mleng comm --json`): a Measurement of kind 'collective'.
+    """Collective bandwidth, busbw/algbw as nccl-tests (`mleng comm --json`): a Measurement of kind 'comm'.
 
     It runs as its own job of `nproc` local ranks (default: one per GPU, 2 on a CPU), or across the nodes of
     the SLURM allocation it is called in, exactly as `mleng comm` typed in a shell. Inside a torchrun or
@@ -309,7 +309,7 @@ def check(*, timeout: float = 60.0, alloc_gib: float = 0.0, pairs: str | None = 
           nproc: int | None = None) -> "Measurement":
     """Every rank can talk: joins in time, all-reduces correctly, passes a barrier, can allocate; with
     `pairs="ranks"` or `"nodes"` the point-to-point bandwidth matrix (`mleng check --json`): a Measurement of
-    kind 'connectivity'. A job of its own, as `comm`. Raises CheckFailed (the record in `.measurement`) when
+    kind 'check'. A job of its own, as `comm`. Raises CheckFailed (the record in `.measurement`) when
     the CLI exits 1: a rank missing, a wrong all-reduce, a failed allocation, slow pairs.
 
     Example:

@@ -54,7 +54,7 @@ def run_rank(args: argparse.Namespace, launch, pair_bytes: int) -> int:
     params = {"timeout_s": args.timeout, "alloc_gib": args.alloc_gib, "pairs": args.pairs,
               "pair_bytes": pair_bytes, "pair_iters": args.pair_iters, "backend": args.backend,
               "outlier_ratio": args.outlier_ratio}
-    session = RankSession(launch, "connectivity", params, backend=args.backend, timeout_s=args.timeout,
+    session = RankSession(launch, "check", params, backend=args.backend, timeout_s=args.timeout,
                           no_store=args.no_store)
     rows: list[dict] = []
     pairs: dict | None = None

@@ -146,7 +146,7 @@ def run_rank(args: argparse.Namespace, launch, settings) -> int:
     backend, _ = choose_backend(args.backend)
     params = {**dataclasses.asdict(settings), "backend": backend, "timeout_s": args.timeout,
               "min_busbw_gbps": args.min_busbw, "reference_gbps": args.reference_gbps}
-    session = RankSession(launch, "collective", params, backend=backend, timeout_s=args.timeout,
+    session = RankSession(launch, "comm", params, backend=backend, timeout_s=args.timeout,
                           no_store=args.no_store, interrupted="interrupted (Ctrl-C); rows measured so far are kept")
     is_root = session.is_root
     record = session.record

@@ -12,7 +12,7 @@ from mleng.cli.render import print_json, table
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = sub.add_parser("list", parents=[json_parent()], help="stored runs, newest first")
-    listing.add_argument("--kind", help="only this kind (mamf, collective, connectivity, doctor, ...)")
+    listing.add_argument("--kind", help="only this kind: the command that made it (mamf, comm, check, membw, io, step, doctor, ...)")
     listing.add_argument("--limit", type=int, default=50)
     show = sub.add_parser("show", parents=[json_parent()], help="one run: summary and rows")
     show.add_argument("id", help="a run id, a unique prefix of one, or 'last'")

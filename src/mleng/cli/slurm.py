@@ -282,9 +282,9 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 _COLUMNS = {
-    "connectivity": (["node", "host", "ranks", "all_reduce_ok", "barrier_ms", "pair_gbps", "of_median", "straggler"],
+    "check": (["node", "host", "ranks", "all_reduce_ok", "barrier_ms", "pair_gbps", "of_median", "straggler"],
                      ["node", "host", "ranks", "all-reduce ok", "barrier ms", "pair GB/s", "x median", "straggler"]),
-    "collective": (["node", "host", "ranks", "devices", "busbw_gbps", "of_median", "straggler"],
+    "comm": (["node", "host", "ranks", "devices", "busbw_gbps", "of_median", "straggler"],
                    ["node", "host", "ranks", "devices", "own busbw GB/s", "x median", "straggler"]),
 }
 
@@ -295,10 +295,10 @@ def render_merged(record, stored: str | None = None) -> str:
     lines = [f"{record.kind} {record.id}: {record.status}" + (f": {record.error}" if record.error else "")
              + (f" (job {slurm['job_id']}, {slurm.get('nodes')} node(s) {slurm.get('nodelist')})"
                 if slurm.get("job_id") else "")]
-    if record.kind == "connectivity" and s.get("verdict"):
+    if record.kind == "check" and s.get("verdict"):
         lines.append(f"check: {s['verdict']}, {s.get('world_size')} ranks"
                      + (f"; problems: {'; '.join(s['problems'])}" if s.get("problems") else ""))
-    for op, best in (s.get("ops") or {}).items() if record.kind == "collective" else []:
+    for op, best in (s.get("ops") or {}).items() if record.kind == "comm" else []:
         lines.append(f"peak busbw {op} across all nodes: {best['peak_busbw_gbps']:.3g} GB/s "
                      f"at {best['at_size_bytes']} bytes per rank")
     per_node = s.get("per_node") or []
@@ -329,7 +329,7 @@ def render_merged(record, stored: str | None = None) -> str:
     elif key and s.get("per_node_median") is not None:
         lines.append(f"no straggler: every node at or above {s['straggler_ratio']:g} x the median "
                      f"{s['per_node_median']:.3g} ({key})")
-    elif per_node and record.kind == "collective":
+    elif per_node and record.kind == "comm":
         lines.append("per-node busbw not measured (add --per-node to compare nodes)")
     if s.get("nodes_without_result"):
         lines.append(f"no result from: {', '.join(s['nodes_without_result'])}")

@@ -97,12 +97,12 @@ def find_comm_record(store, world_size: int | None, run_id: str | None = None) -
     multi-rank one."""
     if run_id:
         m = store.get(run_id)
-        if m.kind != "collective":
+        if m.kind != "comm":
             raise UsageError(f"run {m.id} is a {m.kind} run, not `mleng comm`",
-                             hint="`mleng results list --kind collective`")
+                             hint="`mleng results list --kind comm`")
         return m.to_dict()
     best = None
-    for m in store.iter_records("collective"):
+    for m in store.iter_records("comm"):
         rec = m.to_dict()
         n = (rec.get("params") or {}).get("world_size") or 0
         if rec.get("status") != "complete" or n < 2:

@@ -143,8 +143,8 @@ def _doctor_section(m: Measurement) -> str:
     return head + links + rows_table(rows, columns, limit=500)
 
 
-SECTIONS = {"collective": _collective_section, "mamf": _mamf_section, "membw": _membw_section,
-            "storage": _storage_section, "doctor": _doctor_section}
+SECTIONS = {"comm": _collective_section, "mamf": _mamf_section, "membw": _membw_section,
+            "io": _storage_section, "doctor": _doctor_section}
 
 
 def _headline(m: Measurement) -> str:

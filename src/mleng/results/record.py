@@ -17,6 +17,9 @@ SCHEMA_VERSION = 2
 # upgrade() below, so that every reader sees /2 names.
 V1_SUMMARY_RENAMES = {"spec_note": "theoretical_source", "reference": "theoretical_source"}
 V1_KEY_RENAMES = {"sm_clock_mean_mhz": "sm_clock_mhz_mean", "power_mean_w": "power_w_mean"}
+# A record's kind is the name of the command that made it; records made before that carry the benchmark's
+# name and are read as the command's (any schema version).
+FORMER_KINDS = {"collective": "comm", "connectivity": "check", "storage": "io"}
 SCHEMA = f"{SCHEMA_NAME}/{SCHEMA_VERSION}"
 STATUSES = ("complete", "interrupted", "failed")
 
@@ -111,8 +114,21 @@ def _renamed(value: Any, renames: dict[str, str]) -> Any:
     return value
 
 
+def current_kind(kind: str) -> str:
+    """The command's name for a kind, also for a record made before kinds were the commands' names."""
+    return FORMER_KINDS.get(kind, kind)
+
+
+def stored_kinds(kind: str) -> tuple[str, ...]:
+    """The kind and the former names its records may carry in a store (comm: comm, collective)."""
+    current = current_kind(kind)
+    return (current, *(old for old, new in FORMER_KINDS.items() if new == current))
+
+
 def upgrade(data: dict[str, Any]) -> dict[str, Any]:
-    """A record of an older schema in the current one's names (a copy; /2 records come back as they are)."""
+    """A record of an older schema in the current one's names (a copy; current records come back as they are)."""
+    if data.get("kind") in FORMER_KINDS:
+        data = {**data, "kind": FORMER_KINDS[data["kind"]]}
     version = int(str(data.get("schema", "")).partition("/")[2] or SCHEMA_VERSION)
     if version >= SCHEMA_VERSION:
         return data

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from mleng.errors import MlengError, StoreError, UsageError
-from mleng.results.record import SCHEMA_VERSION, Measurement, check_schema, upgrade
+from mleng.results.record import (
+    SCHEMA_VERSION, Measurement, check_schema, current_kind, stored_kinds, upgrade,
+)
 
 APPLICATION_ID = 0x6D6C6E67  # "mlng": marks the file as ours
 STORE_FILENAME = "results.sqlite"
@@ -307,8 +309,9 @@ class Store:
         sql = "SELECT id, kind, status, started_at, host, summary, schema FROM measurements"
         args: list[Any] = []
         if kind:
-            sql += " WHERE kind = ?"
-            args.append(kind)
+            kinds = stored_kinds(kind)
+            sql += f" WHERE kind IN ({', '.join('?' * len(kinds))})"
+            args.extend(kinds)
         sql += " ORDER BY started_at DESC, id DESC"
         if limit:
             sql += " LIMIT ?"
@@ -316,7 +319,7 @@ class Store:
         rows = []
         for id_, kind_, status, started_at, host, summary, schema in conn.execute(sql, args):  # noqa: B007
             summary = upgrade({"schema": schema, "summary": json.loads(summary)})["summary"]
-            rows.append({"id": id_, "kind": kind_, "status": status, "started_at": started_at,
+            rows.append({"id": id_, "kind": current_kind(kind_), "status": status, "started_at": started_at,
                          "host": host, "summary": summary})
         return rows
 
@@ -426,4 +429,7 @@ def check_store_writable(store_path: str | os.PathLike | None = None) -> None:
 def kinds_stored(store: "Store") -> dict[str, int]:
     if not store.exists:
         return {}
-    return dict(store.connect().execute("SELECT kind, COUNT(*) FROM measurements GROUP BY kind").fetchall())
+    counts: dict[str, int] = {}
+    for kind, n in store.connect().execute("SELECT kind, COUNT(*) FROM measurements GROUP BY kind").fetchall():
+        counts[current_kind(kind)] = counts.get(current_kind(kind), 0) + n
+    return counts

@@ -11,7 +11,7 @@ import statistics
 from typing import Any
 
 from mleng.errors import UsageError
-from mleng.results.record import SCHEMA_NAME, Measurement
+from mleng.results.record import SCHEMA_NAME, Measurement, current_kind
 
 DEFAULT_STRAGGLER_RATIO = 0.9
 
@@ -145,14 +145,14 @@ def _job_record_id(kind: str, slurm: dict) -> str:
 
 
 def _kind_of(command: str | None) -> str:
-    return {"check": "connectivity", "comm": "collective"}.get(command or "", command or "slurm")
+    return command or "slurm"  # a record's kind is its command's name
 
 
 def _node_summary(rec: dict) -> dict:
     summary = rec.get("summary") or {}
-    out = {"id": rec.get("id"), "kind": rec.get("kind"), "status": rec.get("status"), "error": rec.get("error"),
-           "value": summary.get("value"), "unit": summary.get("unit")}
-    if rec.get("kind") == "collective":
+    out = {"id": rec.get("id"), "kind": current_kind(rec.get("kind") or ""), "status": rec.get("status"),
+           "error": rec.get("error"), "value": summary.get("value"), "unit": summary.get("unit")}
+    if out["kind"] == "comm":
         ops = summary.get("ops") or {}
         if ops:
             op, best = next(iter(ops.items()))
@@ -169,7 +169,7 @@ def _node_summary(rec: dict) -> dict:
 def _merge_independent(found: dict, slurm: dict, command: str) -> Measurement:
     records = found["node_records"]
     first = next((r for r in records.values() if r is not None), None)
-    kind = first.get("kind") if first else command
+    kind = current_kind(first.get("kind") or command) if first else command
     record = Measurement.start(kind, {"command": command, "node_params": first.get("params") if first else {},
                                       "slurm": slurm}, machine=(first or {}).get("machine") or {})
     record.id = _job_record_id(kind, slurm)
@@ -210,9 +210,9 @@ def _merge_independent(found: dict, slurm: dict, command: str) -> Measurement:
 
 def per_node_table(record: Measurement) -> list[dict]:
     """A row per node for any multi-node record: what ran there and the number to compare nodes by."""
-    if record.kind == "connectivity" and record.rows and "rank" in record.rows[0]:
+    if record.kind == "check" and record.rows and "rank" in record.rows[0]:
         return _check_nodes(record)
-    if record.kind == "collective":
+    if record.kind == "comm":
         return _comm_nodes(record)
     if record.rows and all("node" in r for r in record.rows):  # merged per-node commands
         table = []
@@ -287,7 +287,7 @@ def _comm_nodes(record: Measurement) -> list[dict]:
 
 
 # What each kind compares nodes by (higher is better), and how a reason for draining reads.
-_KEYS = {"connectivity": ("pair_gbps", "GB/s point-to-point"), "collective": ("busbw_gbps", "GB/s busbw inside the node")}
+_KEYS = {"check": ("pair_gbps", "GB/s point-to-point"), "comm": ("busbw_gbps", "GB/s busbw inside the node")}
 
 
 def annotate(record: Measurement, ratio: float = DEFAULT_STRAGGLER_RATIO) -> None:
@@ -328,6 +328,6 @@ def annotate(record: Measurement, ratio: float = DEFAULT_STRAGGLER_RATIO) -> Non
     record.summary["straggler_ratio"] = ratio
     record.summary["stragglers"] = stragglers
     record.summary["drain"] = drains
-    if len(table) == 2 and record.kind == "connectivity" and slow == [] and record.summary.get("pairs"):
+    if len(table) == 2 and record.kind == "check" and slow == [] and record.summary.get("pairs"):
         record.summary["per_node_note"] = "with two nodes every pair has both of them at its ends: " \
                                           "a slow link cannot be pinned on one node"

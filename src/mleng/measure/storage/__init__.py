@@ -217,7 +217,7 @@ def run_io(path: str | os.PathLike, *, size_bytes: int, jobs: int = 4, duration_
            metadata_files: int = DEFAULT_METADATA_FILES,
            on_row: Callable[[dict[str, Any]], None] | None = None,
            on_workspace: Callable[[Workspace], None] | None = None):
-    """Measure PATH (and a local baseline if asked) and return a Measurement of kind 'storage'."""
+    """Measure PATH (and a local baseline if asked) and return a Measurement of kind 'io'."""
     from mleng.results.record import Measurement
 
     target = check_target(path)
@@ -237,7 +237,7 @@ def run_io(path: str | os.PathLike, *, size_bytes: int, jobs: int = 4, duration_
     params = {"path": str(target.resolve()), **plan.to_dict(), "workloads": workloads, "engine": engine,
               "fio_version": fio_engine.fio_version() if engine == "fio" else None,
               "baseline": str(baseline_dir) if baseline_dir else None}
-    m = Measurement.start("storage", params, machine=collect_for_record(gpus=False))
+    m = Measurement.start("io", params, machine=collect_for_record(gpus=False))
     rows: list[dict[str, Any]] = []
     targets: dict[str, Any] = {}
     try:
