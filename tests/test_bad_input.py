@@ -233,6 +233,8 @@ CASES = [
     C("membw-warmup-negative", "membw", "--warmup", "-1", message="--warmup at least 0"),
     C("membw-threads-0", "membw", "--threads", "0", message="--threads must be at least 1"),
     C("membw-device-no-gpu", "membw", "--device", "0", "--no-store", message="sees no CUDA GPU"),
+    C("membw-device-cuda-no-gpu", "membw", "--device", "cuda:1", "--no-store", message="sees no CUDA GPU"),
+    C("membw-device-not-a-device", "membw", "--device", "gpu0", "--no-store", message="is not a device membw measures"),
     C("membw-all-devices-no-gpu", "membw", "--all-devices", "--no-store", message="needs CUDA GPUs"),
     C("membw-device-and-all", "membw", "--device", "0", "--all-devices", message="not allowed with argument"),
     # --- io ---------------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ def test_cpu_membw_measures_copy_read_write_and_stores_it(run_mleng):
 
 
 def test_human_output_names_units(run_mleng):
-    result = run_mleng("membw", "--size", SMALL, "--iters", "2", "--warmup", "0", "--op", "copy", "--no-store")
+    result = run_mleng("membw", "--size", SMALL, "--iters", "2", "--warmup", "0", "--op", "copy", "--no-store",
+                       "--device", "cpu")  # --device as mamf reads it: N, cuda:N or cpu
     assert result.returncode == 0, result.stderr
     assert "GB/s" in result.stdout and "copy" in result.stdout
     assert "bytes read + written" in result.stdout

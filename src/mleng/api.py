@@ -216,7 +216,7 @@ def mamf(*, device: str | int | None = None, all_devices: bool = False, dtype: s
     return _store(measure(args), args)
 
 
-def membw(*, device: int | None = None, all_devices: bool = False, size: str | int | None = None,
+def membw(*, device: str | int | None = None, all_devices: bool = False, size: str | int | None = None,
           op: Sequence[str] | str | None = None, engine: str = "all", iters: int = 20, warmup: int = 5,
           threads: int | None = None, no_store: bool = False) -> "Measurement":
     """Device, host<->device and CPU memory bandwidth (`mleng membw --json`): a Measurement of kind 'membw'.

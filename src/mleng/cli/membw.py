@@ -11,7 +11,7 @@ from mleng.cli.render import table
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_mutually_exclusive_group()
-    target.add_argument("--device", type=int, metavar="N", help="measure CUDA GPU N (default: GPU 0, else the CPU)")
+    target.add_argument("--device", help="GPU index N, cuda:N, or cpu (default: GPU 0, else the CPU)")
     target.add_argument("--all-devices", action="store_true",
                         help="every GPU at once, one process per GPU, tests in step")
     parser.add_argument("--size", default=None,

@@ -342,14 +342,21 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def resolve_devices(device: int | None, all_devices: bool) -> list[str]:
+def resolve_devices(device: int | str | None, all_devices: bool) -> list[str]:
+    """--device as every command reads it (N, cuda:N or cpu; None: GPU 0, else the CPU), or --all-devices."""
     count = cuda_device_count()
     if all_devices:
         if count == 0:
             raise NotAvailableError("--all-devices needs CUDA GPUs, and torch sees none here",
                                     hint="drop --all-devices to measure CPU memory bandwidth")
         return [f"cuda:{i}" for i in range(count)]
+    if device is not None and str(device).strip().lower() == "cpu":
+        return ["cpu"]
     if device is not None:
+        index = str(device).strip().lower().removeprefix("cuda:")
+        if not index.isdigit():
+            raise UsageError(f"--device {device!r} is not a device membw measures", hint="use N, cuda:N or cpu")
+        device = int(index)
         if count == 0:
             raise NotAvailableError(f"--device {device} asks for a GPU, and torch sees no CUDA GPU here",
                                     hint="drop --device to measure CPU memory bandwidth")
@@ -359,7 +366,7 @@ def resolve_devices(device: int | None, all_devices: bool) -> list[str]:
     return ["cuda:0"] if count else ["cpu"]
 
 
-def run_membw(*, device: int | None = None, all_devices: bool = False, size_bytes: int | None = None,
+def run_membw(*, device: int | str | None = None, all_devices: bool = False, size_bytes: int | None = None,
               tests: Iterable[str] = TESTS, engines: Iterable[str] | None = None, iters: int = 20,
               warmup: int = 5, threads: int | None = None,
               on_row: Callable[[dict[str, Any]], None] | None = None):
@@ -388,7 +395,8 @@ def run_membw(*, device: int | None = None, all_devices: bool = False, size_byte
     if not on_gpu:
         tests = [t for t in tests if t in CPU_TESTS]
         if not tests:
-            raise NotAvailableError("h2d/d2h need a CUDA GPU, and torch sees none here",
+            raise NotAvailableError("h2d/d2h need a CUDA GPU, and this run measures the CPU"
+                                    + ("" if cuda_device_count() else " (torch sees no CUDA GPU here)"),
                                     hint="ask for copy, read or write to measure CPU memory")
         engines = ["torch"]
         threads = threads or len(os.sched_getaffinity(0))
