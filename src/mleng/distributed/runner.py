@@ -1,5 +1,5 @@
 """What multi-rank commands (comm, check, step) share: spawn local ranks when launched plainly, else be one
-rank; and the rank session of comm and check: join, signals, the record finished and stored by rank 0, teardown."""
+rank; and the rank session: join, signals, the record finished and stored by rank 0, teardown."""
 
 from __future__ import annotations
 
@@ -105,6 +105,7 @@ class RankSession:
     """One rank of a multi-rank command. Ctrl-C and SIGTERM become the record's status (StopSignals), the job is
     joined with short timeouts, and on rank 0 the record is fingerprinted, completed by the command's library
     function, stored (unless no_store) and reported, all before teardown, which can hang when a peer is gone.
+    comm, check and step run in one.
 
         session = RankSession(launch, "check", params, backend=None, timeout_s=60)
         with session.running(complete, report):   # complete(record, job, status, error); report(session)
@@ -113,11 +114,13 @@ class RankSession:
     """
 
     def __init__(self, launch: Launch, kind: str, params: dict[str, Any], *, backend: str | None,
-                 timeout_s: float, no_store: bool = False, interrupted: str = "interrupted (Ctrl-C)"):
+                 timeout_s: float, no_store: bool = False, interrupted: str = "interrupted (Ctrl-C)",
+                 gpus: bool | None = None):
         from mleng.results.record import Measurement
 
         self.launch, self.params, self.backend, self.timeout_s = launch, params, backend, timeout_s
         self.no_store, self.interrupted = no_store, interrupted
+        self.gpus = gpus  # fingerprint the GPUs; None: when the backend is NCCL
         self.is_root = launch.rank == 0
         self.record = Measurement.start(kind, params) if self.is_root else None
         self.job = None
@@ -156,9 +159,9 @@ class RankSession:
 
         record, status, error = self.record, self.stop.status, self.stop.error
         backend = self.job.backend if self.job else (self.backend or "")
-        record.machine = collect_for_record(gpus=backend == "nccl")
-        complete(record, self.job, status, error)
+        record.machine = collect_for_record(gpus=backend == "nccl" if self.gpus is None else self.gpus)
         record.finish(status, error)
+        complete(record, self.job, status, error)  # may finish it again with another status (step: none timed)
         if not self.no_store:
             from mleng.results.store import save_or_reason
 

@@ -33,14 +33,12 @@ class RankState:
 # ------------------------------------------------------------------------------------------ the record
 def _summarize(record, opts: StepOptions, state: RankState, job, launch, device, status: str,
                error: str | None) -> None:
-    from mleng.machine.fingerprint import collect_for_record
     from mleng.measure.timing import TimingStats, process_elapsed_s
     from mleng.step import breakdown as bd
     from mleng.step.efficiency import dense_peak, find_stored_mamf, ratio
     from mleng.step.flops import DEFAULT_CONVENTION, both_conventions, conventions_differ
 
-    world = launch.world_size
-    record.machine = collect_for_record(gpus=device.type == "cuda")
+    world = launch.world_size  # record.machine: the session's fingerprint of rank 0
     if job is not None:
         record.machine["ranks"] = job.public_ranks()
     ranks = state.info.get("ranks") or [state.portable()]

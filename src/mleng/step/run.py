@@ -26,10 +26,8 @@ def run_rank(options: StepOptions, launch, finish: Callable[[Any, list], None],
     measured. Returns 0; errors propagate after the record is finished."""
     import torch
 
-    from mleng.distributed.group import choose_backend, join, leave, pick_device
-    from mleng.distributed.rankinfo import describe_rank
-    from mleng.distributed.runner import StopSignals
-    from mleng.results.record import Measurement
+    from mleng.distributed.group import choose_backend, pick_device
+    from mleng.distributed.runner import RankSession
 
     world = launch.world_size
     cuda = torch.cuda.is_available() and options.device != "cpu"
@@ -41,29 +39,22 @@ def run_rank(options: StepOptions, launch, finish: Callable[[Any, list], None],
     else:
         kind = "cuda" if cuda else "cpu"
     device = torch.device(pick_device(launch, kind))
-    is_root = launch.rank == 0
     params = {**opts.params(world), "backend": backend, "launch": launch.mode}
-    record = Measurement.start("step", params) if is_root else None
+    # The CLI's finish stores (or not) and prints: the session itself stores nothing.
+    session = RankSession(launch, "step", params, backend=backend, timeout_s=opts.timeout_s, no_store=True,
+                          interrupted="interrupted; the steps measured so far are kept", gpus=device.type == "cuda")
     state = RankState()
-    job = None
-    stop = StopSignals().__enter__()
-    try:
-        with stop.outcome("interrupted; the steps measured so far are kept"):
-            if needs_group:
-                job = join(launch, backend, str(device), opts.timeout_s, info=describe_rank(launch, str(device)),
-                           params=params)
-            _train(opts, launch, job, device, state, progress if is_root else None)
-            if job is not None and world > 1:
-                from mleng.distributed.group import gather_to_rank0
 
-                state.info["ranks"] = gather_to_rank0(job, "step_result", state.portable(),
-                                                      timeout_s=opts.timeout_s)
-    finally:
-        if is_root:
-            _summarize(record, opts, state, job, launch, device, stop.status, stop.error)
-            finish(record, state.mamf_records)
-        leave(job, launch.rank)
-        stop.__exit__()
+    def complete(record, job, status, error) -> None:
+        _summarize(record, opts, state, job, launch, device, status, error)
+
+    with session.running(complete, lambda s: finish(s.record, state.mamf_records)):
+        job = session.join() if needs_group else None
+        _train(opts, launch, job, device, state, progress if session.is_root else None)
+        if job is not None and world > 1:
+            from mleng.distributed.group import gather_to_rank0
+
+            state.info["ranks"] = gather_to_rank0(job, "step_result", state.portable(), timeout_s=opts.timeout_s)
     return 0
 
 
