@@ -101,3 +101,17 @@ def test_report_renders_in_headless_chromium(run_mleng, tmp_path):
     dom = subprocess.run([CHROMIUM, *common, "--dump-dom", out.as_uri()], capture_output=True, text=True,
                          timeout=120).stdout
     assert dom.count("<svg") == 5 and "slowest" in dom and "GPU 5" in dom
+
+
+def test_report_of_a_recorded_h200_step_run_plots_where_the_time_goes(run_mleng, tmp_path):
+    record = json.loads((Path(__file__).parent / "fixtures" / "records" / "step_h200_8b_4l_compiled.json").read_text())
+    with Store() as store:
+        run_id = store.save(record)
+    out = tmp_path / "report.html"
+    result = run_mleng("report", run_id, "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    page = out.read_text()
+    assert "where the time goes" in page and page.count("<svg") == 1
+    assert "MFU 55.4%" in page and "MAMFU 71.6%" in page
+    for name in ("gemm", "attention", "elementwise other", "idle"):
+        assert f"{name}: " in page, name      # one bar per share, titled with its value

@@ -143,8 +143,31 @@ def _doctor_section(m: Measurement) -> str:
     return head + links + rows_table(rows, columns, limit=500)
 
 
+def _step_section(m: Measurement) -> str:
+    """Where the step's time goes (the profiled window's shares) and the timed steps' numbers."""
+    s = m.summary
+    facts = [f"{s.get('model')}, seq {s.get('seq')}, {s.get('global_batch')} sequence(s) per step, {s.get('dtype')}, "
+             f"parallel {s.get('parallel')}, compile {'on' if s.get('compile') else 'off'}, "
+             f"{s.get('world_size')} rank(s)"]
+    for key, label in (("mfu", "MFU"), ("mamfu", "MAMFU"), ("hfu", "HFU")):
+        if isinstance(s.get(key), (int, float)):
+            facts.append(f"{label} {s[key] * 100:.1f}%")
+    if s.get("mfu_inconclusive"):
+        facts.append(f"MFU inconclusive: {s['mfu_inconclusive']}")
+    profile = [r for r in m.rows if r.get("phase") == "profile" and r.get("share") is not None
+               and r.get("name") != "communication_total"]
+    bars = [(str(r["name"]).replace("_", " "), float(r["share"]) * 100) for r in profile]
+    chart = bar_chart("where the time goes (share of the profiled steps, %)", bars, "% of the window")
+    timed = [r for r in m.rows if r.get("phase") == "timed"]
+    return (f'<p class="meta">{_esc("; ".join(facts))}</p>' + chart
+            + rows_table(timed, ["tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "mamfu", "hfu",
+                                 "step_time_s_median", "step_time_s_p90", "steps", "peak_allocated_bytes"])
+            + rows_table(profile + [r for r in m.rows if r.get("name") == "communication_total"],
+                         ["name", "time_s", "share"]))
+
+
 SECTIONS = {"comm": _collective_section, "mamf": _mamf_section, "membw": _membw_section,
-            "io": _storage_section, "doctor": _doctor_section}
+            "io": _storage_section, "doctor": _doctor_section, "step": _step_section}
 
 
 def _headline(m: Measurement) -> str:
