@@ -17,11 +17,13 @@ from mleng.errors import CheckFailed, UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 # Flags that only shape what the CLI prints or writes beside the record
-DISPLAY_ONLY = {"mamf": {"top"}, "doctor": {"report"}}
+# (and memory's --calibrate, which writes the coefficients data file: it stays a command).
+DISPLAY_ONLY = {"mamf": {"top"}, "doctor": {"report"}, "memory": {"calibrate"}}
 FUNCTIONS = {"ask": "ask", "triage": "triage", "mamf": "mamf", "comm": "comm", "check": "check", "membw": "membw",
-             "io": "io", "doctor": "doctor"}
+             "io": "io", "doctor": "doctor", "step": "step", "memory": "memory"}
 # The positional of a command and its keyword in the API
-POSITIONAL = {"ask": {"text": "text"}, "triage": {"logfile": "path"}, "io": {"path": "path"}}
+POSITIONAL = {"ask": {"text": "text"}, "triage": {"logfile": "path"}, "io": {"path": "path"},
+              "memory": {"model": "model"}}
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +94,12 @@ def test_bad_input_raises_the_clis_own_error(run_mleng):
         mleng.mamf(max_second=3)
     with pytest.raises(UsageError, match="--iters must be at least 1"):
         mleng.comm(iters=0)  # refused before any rank starts
+    with pytest.raises(UsageError, match="unknown model preset 'gpt5'"):
+        mleng.step(model="gpt5")
+    with pytest.raises(UsageError, match="--steps"):
+        mleng.step(model="tiny", steps=0)
+    with pytest.raises(UsageError, match="tp"):
+        mleng.memory("8b", tp=3)
     with pytest.raises(UsageError, match="--limit must be at least 1"):
         mleng.ask("NCCL error", limit=0)
     with pytest.raises(UsageError, match="does not exist"):
@@ -164,3 +172,14 @@ def test_one_selector_flag_and_the_old_spellings_hidden():
         assert old not in parser.format_help() and "--op" in parser.format_help()
         assert "op" in api.command_options(command) and old[2:] not in api.command_options(command)
     assert "op" in options(BY_NAME["membw"]) and "tests" not in options(BY_NAME["membw"])
+
+
+def test_step_and_memory_return_what_their_commands_print(run_mleng):
+    record = mleng.step(model="tiny", seq=64, steps=2, warmup=1, profile_steps=1, no_store=True)
+    assert record.kind == "step" and record.status == "complete"
+    assert record.summary["tokens_per_s"] > 0 and record.summary["mfu"] is None   # a CPU has no sourced peak
+    estimate = mleng.memory("8b", seq=8192, recompute="full", gpu="h200")
+    cli = run_mleng("memory", "8b", "--seq", "8192", "--recompute", "full", "--gpu", "h200", "--json")
+    assert cli.returncode == 0, cli.stderr
+    assert estimate == json.loads(cli.stdout)
+    assert callable(mleng.step) and mleng.step.__name__ == "mleng.step"    # also the step package

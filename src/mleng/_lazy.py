@@ -24,6 +24,8 @@ PUBLIC: dict[str, str] = {
     "membw": "mleng.api:membw",
     "io": "mleng.api:io",
     "doctor": "mleng.api:doctor",
+    "step": "mleng.api:step",
+    "memory": "mleng.api:memory",
     "preflight": "mleng.preflight:preflight",
     "PreflightError": "mleng.preflight:PreflightError",
     "install_crash_hook": "mleng.crashhook:install_crash_hook",
@@ -36,9 +38,9 @@ PUBLIC: dict[str, str] = {
     "NotAvailableError": "mleng.errors:NotAvailableError",
     "StoreError": "mleng.errors:StoreError",
 }
-# Modules that are also public functions of the same name: `mleng.doctor` (the checks package) and
-# `mleng.preflight` (its module): calling the module calls the function.
-CALLABLE_PACKAGES = ("doctor", "preflight")
+# Modules that are also public functions of the same name: `mleng.doctor` (the checks package),
+# `mleng.step` (the step package) and `mleng.preflight` (its module): calling the module calls the function.
+CALLABLE_PACKAGES = ("doctor", "preflight", "step")
 # Subpackages reachable as attributes without an explicit import (mleng.specs.lookup, mleng.results.Store).
 SUBPACKAGES = ("specs", "results", "handbook")
 

@@ -23,7 +23,7 @@ from mleng.errors import CheckFailed, MlengError, UsageError
 if TYPE_CHECKING:
     from mleng.results.record import Measurement
 
-__all__ = ["ask", "triage", "mamf", "comm", "check", "membw", "io", "doctor", "Answer", "Match",
+__all__ = ["ask", "triage", "mamf", "comm", "check", "membw", "io", "doctor", "step", "memory", "Answer", "Match",
            "TriageReport", "TriageFinding"]
 
 
@@ -319,6 +319,52 @@ def check(*, timeout: float = 60.0, alloc_gib: float = 0.0, pairs: str | None = 
     """
     args = _parse("check", dict(locals()))
     return _run_ranks("check", args._argv)
+
+
+def step(*, model: str | None = None, config: str | os.PathLike[str] | None = None, layers: int | None = None,
+         seq: int | None = None, micro_batch: int = 1, grad_accum: int | None = None, global_batch: int | None = None,
+         steps: int = 10, warmup: int = 3, profile_steps: int = 2, dtype: str | None = None,
+         parallel: str | None = None, compile: str | bool | None = None, activation_checkpointing: bool = False,
+         tokens: str | os.PathLike[str] | None = None, tokens_dtype: str = "uint16", lr: float = 0.0003,
+         seed: int = 0, device: str | None = None, mamf: bool = False, mamf_seconds: float | None = None,
+         nproc: int | None = None, timeout: float = 300.0, out: str | os.PathLike[str] | None = None,
+         no_store: bool = False) -> "Measurement":
+    """A real training step of a built-in Llama-style model, measured (`mleng step --json`): a Measurement of
+    kind 'step' with tokens/s, MFU against the sourced peak, MAMFU against this GPU's stored MAMF, memory and
+    where the time goes. A job of its own, as `comm` (`nproc` local ranks, or srun inside an allocation);
+    bad input is a UsageError with the CLI's message before any rank starts.
+
+    Example:
+        >>> record = mleng.step(model="tiny", steps=3, warmup=1, profile_steps=1, no_store=True)
+        >>> record.kind, record.summary["tokens_per_s"] > 0
+        ('step', True)
+    """
+    args = _parse("step", dict(locals()))
+    return _run_ranks("step", args._argv)
+
+
+def memory(model: str | os.PathLike[str] | None = None, *, layers: int | None = None, seq: int = 2048,
+           micro_batch: int = 1, grad_accum: int | None = None, dtype: str | None = None, optimizer: str = "adamw",
+           zero: int = 0, fsdp: bool = False, gpus: int = 1, tp: int = 1, pp: int = 1, recompute: str | None = None,
+           inference: bool = False, weights: str = "bf16", kv_dtype: str = "bf16", max_batched_tokens: int = 8192,
+           gpu: str | None = None, usable_gib: float | None = None, context_gib: float | None = None,
+           nccl_gib: float | None = None, fragmentation: float | None = None, measure: bool = False,
+           device: str | None = None, coefficients: str | os.PathLike[str] | None = None, no_store: bool = False,
+           step: str | None = None) -> dict[str, Any]:
+    """Will a training (or, with `inference=True`, a serving) config fit: the per-GPU memory estimated from
+    the architecture, as `mleng memory --json` prints it (`measure=True` adds a real step's peak; `step=ID`
+    compares a stored `mleng step` run with the estimate of its own config). Calibrating the coefficients
+    writes the data file and stays a command: `mleng memory --calibrate`.
+
+    Example:
+        >>> out = mleng.memory("8b", seq=8192, recompute="full", gpu="h200")
+        >>> out["gpu"]["fits"], round(out["total_bytes"] / 2**30, 1), out["gpu"]["longest_seq"]
+        (True, 126.3, 16806)
+    """
+    values = dict(locals())
+    from mleng.cli.memory import result
+
+    return result(_parse("memory", values))
 
 
 # Variables that make a process one rank of someone else's job: the child must start its own.
