@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from mleng.errors import MlengError, UsageError
+from mleng.measure.sizes import format_bytes
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -254,12 +255,6 @@ def _si(value: float | None, unit: str = "") -> str:
     return f"{value:.3g} {unit}".rstrip()
 
 
-def _bytes(value) -> str:
-    if value is None:
-        return "-"
-    return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.0f} MiB"
-
-
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.1f}%"
 
@@ -322,13 +317,14 @@ def render(record) -> str:
             fields.append(("HFU", f"inconclusive (no peak); hardware FLOPs {_si(main['hardware'], 'FLOP')}/token"))
     memory = s.get("memory") or {}
     if "peak_allocated_bytes" in memory:
-        text = (f"peak allocated {_bytes(memory['peak_allocated_bytes'])}, reserved "
-                f"{_bytes(memory['peak_reserved_bytes'])} of {_bytes(memory.get('device_total_bytes'))}")
+        text = (f"peak allocated {format_bytes(memory['peak_allocated_bytes'])}, reserved "
+                f"{format_bytes(memory['peak_reserved_bytes'])} of "
+                f"{format_bytes(memory.get('device_total_bytes'))}")
         if memory.get("nvml_used_bytes") is not None:
-            text += f"; NVML used {_bytes(memory['nvml_used_bytes'])}"
+            text += f"; NVML used {format_bytes(memory['nvml_used_bytes'])}"
         fields.append(("memory", text))
     elif memory:
-        fields.append(("memory", f"host peak RSS {_bytes(memory.get('host_peak_rss_bytes'))} (this process)"))
+        fields.append(("memory", f"host peak RSS {format_bytes(memory.get('host_peak_rss_bytes'))} (this process)"))
     loss = s.get("loss") or {}
     if loss.get("first") is not None:
         data = s.get("data") or {}
