@@ -111,11 +111,11 @@ ABSENT = textwrap.dedent('''
 ''')
 
 
-def _torchrun(script: str, tmp_path, mleng_home, timeout: float = 150) -> subprocess.CompletedProcess:
+def _torchrun(script: str, tmp_path, mleng_home, timeout: float = 150, nproc: int = 2) -> subprocess.CompletedProcess:
     path = tmp_path / "train.py"
     path.write_text(script)
     env = dict(os.environ, MLENG_HOME=str(mleng_home), PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                            str(path), str(tmp_path)], capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=tmp_path)
 
@@ -282,3 +282,25 @@ def test_a_group_made_without_naming_a_backend_is_probed_with_the_one_for_its_de
     assert "torch says undefined" in proc.stdout
     out = proc.stdout + proc.stderr
     assert "backend gloo" in out and "undefined" not in out.replace("torch says undefined", ""), out
+
+
+FOUR = textwrap.dedent('''
+    import json, os, sys
+    import mleng
+    rank = int(os.environ["RANK"])
+    record = mleng.preflight(timeout=30)   # its own fail-fast group: no default group here
+    rows = {r["check"]: r["severity"] for r in record.rows} if record else None
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+        json.dump({"rows": rows}, f)
+''')
+
+
+def test_four_healthy_ranks_pass(tmp_path, mleng_home):
+    proc = _torchrun(FOUR, tmp_path, mleng_home, nproc=4)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(r["rows"] is None for r in results[1:])       # rank 0 holds the record
+    rows = results[0]["rows"]
+    assert rows["join"] == "ok" and rows["all_reduce"] == "ok", rows
+    assert "fail" not in rows.values() and "warn" not in rows.values(), rows
+    assert "4/4 ranks" in proc.stderr
