@@ -196,7 +196,8 @@ def test_doctor_default_tier_on_this_cpu_machine_finishes_in_about_a_minute(run_
     assert ("ecc", "skipped") in rows and ("pcie_link", "skipped") in rows
     assert not any(check in ("ecc", "pcie_link", "nvlink") and sev == "ok" for check, sev in rows)
     measured = record["summary"]["measurements"]
-    assert {"matmul", "collective", "membw"} <= set(measured), record["rows"]
+    assert {"mamf", "comm", "membw", "io"} <= set(measured), record["rows"]
+    assert {"mamf", "comm", "membw", "io"} <= {r["check"] for r in record["rows"]}, record["rows"]
     assert result.returncode in (0, 1)
     page = report.read_text()
     assert "busbw against message size" in page and "TFLOPS per shape around the best" in page

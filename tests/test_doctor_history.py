@@ -4,6 +4,8 @@ import json
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from mleng.doctor.runner import run_doctor
 from mleng.results.store import Store
 
@@ -92,3 +94,66 @@ def test_deleting_a_run_drops_its_gpu_findings(mleng_home):
         run_id = store.save(doctor("h200_throttled"))
         store.delete(run_id)
         assert store.gpu_history([THROTTLED_UUID]) == {}
+
+
+def _with_measured_findings(record, names: dict[str, str], tflops: float) -> dict:
+    """A doctor record with its quick measurements' findings and ids under the given names (old or new)."""
+    data = record.to_dict()
+    data["rows"] = [
+        {"check": names["mamf"], "severity": "fail", "summary": f"matmul (bfloat16): {tflops} TFLOPS", "measured": tflops,
+         "expected": 989.0, "cause": None, "handbook": ["low-matmul-tflops"], "subject": None, "gpu_uuid": THROTTLED_UUID},
+        {"check": names["comm"], "severity": "skipped", "summary": "one GPU: no link between GPUs to measure",
+         "measured": None, "expected": None, "cause": None, "handbook": [], "subject": None, "gpu_uuid": None},
+        {"check": names["io"], "severity": "warn", "summary": "/ckpt: checkpoint-style sequential write 0.14 GB/s",
+         "measured": 0.14, "expected": None, "cause": None, "handbook": [], "subject": "/ckpt", "gpu_uuid": None},
+        *data["rows"]]
+    data["summary"]["measurements"] = {names[new]: f"{new}-{data['id']}" for new in ("mamf", "comm", "membw", "io")}
+    return data
+
+
+def test_doctor_runs_stored_with_the_former_finding_names_read_under_the_commands_names(run_mleng, mleng_home):
+    """Before the findings were named after their commands a doctor run stored matmul, busbw (collective when
+    skipped), checkpoint_write and summary["measurements"] keyed matmul/collective/membw/storage."""
+    from mleng.doctor.findings import Finding
+    from mleng.doctor.history import history_findings
+
+    former = {"mamf": "matmul", "comm": "collective", "membw": "membw", "io": "storage"}
+    old = _with_measured_findings(doctor("h200_throttled"), former, 550.0)
+    old["rows"][2]["check"] = "checkpoint_write"
+    old["summary"]["measurements"] = {"matmul": "m1", "collective": "c1", "membw": "b1", "storage": "s1"}
+    busbw = {**old["rows"][1], "check": "busbw", "severity": "inconclusive"}
+    old["rows"].insert(1, busbw)
+    with Store() as store:
+        store.save(old)
+    with sqlite3.connect(mleng_home / "results.sqlite") as conn:   # as an earlier mleng wrote the row and index
+        conn.execute("UPDATE measurements SET summary = ? WHERE id = ?", (json.dumps(old["summary"]), old["id"]))
+        conn.execute("UPDATE gpu_findings SET check_name = 'matmul' WHERE measurement_id = ? AND check_name = 'mamf'",
+                     (old["id"],))
+        assert conn.execute("SELECT COUNT(*) FROM gpu_findings WHERE check_name = 'matmul'").fetchone()[0] == 1
+    new = _with_measured_findings(doctor("h200_throttled"), {c: c for c in former}, 600.0)
+    with Store() as store:
+        store.save(new)
+        history = store.gpu_history([THROTTLED_UUID], limit_runs=5)[THROTTLED_UUID]
+    assert [run["checks"].get("mamf") for run in history] == ["fail", "fail"]
+    assert not any("matmul" in run["checks"] for run in history)
+    # the doctor's history line counts the old run's matmul failure as a mamf failure
+    fp = fingerprint("h200_throttled")
+    rows = history_findings([Finding("mamf", "fail", "matmul low", gpu_uuid=THROTTLED_UUID)], fp)
+    assert "failed mamf on 3 of its last 3 run(s)" in rows[0].summary, rows[0].summary
+
+    listed = json.loads(run_mleng("results", "list", "--kind", "doctor", "--json").stdout)["results"]
+    assert [sorted(r["summary"]["measurements"]) for r in listed] == [["comm", "io", "mamf", "membw"]] * 2
+    shown = run_mleng("results", "show", old["id"], "--json")
+    assert shown.returncode == 0, shown.stderr
+    record = json.loads(shown.stdout)
+    checks = [r["check"] for r in record["rows"]]
+    assert checks[:4] == ["mamf", "comm", "comm", "io"]
+    assert not {"matmul", "busbw", "collective", "checkpoint_write", "storage"} & set(checks)
+    assert record["summary"]["measurements"] == {"mamf": "m1", "comm": "c1", "membw": "b1", "io": "s1"}
+    text = run_mleng("results", "show", old["id"])
+    assert text.returncode == 0 and "matmul (bfloat16)" in text.stdout and "checkpoint_write" not in text.stdout
+    compared = run_mleng("results", "compare", old["id"], new["id"], "--json")
+    assert compared.returncode == 0, compared.stderr
+    by_check = {r["check"]: r for r in json.loads(compared.stdout)["rows"]}
+    assert by_check["mamf"]["measured_ratio"] == pytest.approx(600.0 / 550.0)
+    assert by_check["io"]["measured_ratio"] == pytest.approx(1.0)

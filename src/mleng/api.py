@@ -258,7 +258,9 @@ def doctor(*, quick: bool = False, full: bool = False, expect_gpus: int | None =
            no_store: bool = False) -> "Measurement":
     """The health checks and quick measurements (`mleng doctor --json`): a Measurement of kind 'doctor' whose
     rows are findings (`check`, `severity` ok/warn/fail/inconclusive/skipped, `summary`, `handbook` ids);
-    `summary["verdict"]` is the overall answer. For the HTML report use `mleng doctor --report`.
+    `summary["verdict"]` is the overall answer. A quick measurement's finding is named after the command it runs
+    (`mamf`, `comm`, `membw`, `io`), and so is its record's id in `summary["measurements"]`; doctor runs stored
+    before read under these names too. For the HTML report use `mleng doctor --report`.
 
     Example:
         >>> record = mleng.doctor(no_measure=True, no_store=True)

@@ -1,4 +1,5 @@
-"""The doctor's quick measurements judged: each headline against its spec, in bands that say what is normal."""
+"""The doctor's quick measurements judged: each headline against its spec, in bands that say what is normal.
+Each finding is named after the command that measured it: mamf, comm, membw, io."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def judge_ratio(check: str, what: str, value: float | None, theoretical: float |
 
 def check_matmul(summary: dict[str, Any], vendor: str | None) -> Finding:
     bands = MATMUL_BANDS.get((vendor or "").lower(), MATMUL_BANDS["default"])
-    finding = judge_ratio("matmul", f"matmul ({summary.get('dtype', '?')})", summary.get("value"),
+    finding = judge_ratio("mamf", f"matmul ({summary.get('dtype', '?')})", summary.get("value"),
                           summary.get("theoretical"), "TFLOPS", bands, ["low-matmul-tflops", "gpu-clock-throttling"],
                           no_reference="no datasheet peak for this device (a CPU has none in the specs)")
     if finding.severity in ("warn", "fail") and summary.get("stop_reason") in ("time budget", "interrupted"):
@@ -51,7 +52,7 @@ def check_matmul(summary: dict[str, Any], vendor: str | None) -> Finding:
 
 
 def check_busbw(summary: dict[str, Any]) -> Finding:
-    return judge_ratio("busbw", f"{summary.get('op', 'all_reduce')} peak busbw", summary.get("value"),
+    return judge_ratio("comm", f"{summary.get('op', 'all_reduce')} peak busbw", summary.get("value"),
                        summary.get("theoretical"), "GB/s", BUSBW_BANDS,
                        ["nccl-low-busbw-intra-node", "nccl-p2p-disable-left-set"],
                        no_reference="no link spec for this transport (gloo over loopback has none)")
@@ -65,9 +66,9 @@ def check_membw(summary: dict[str, Any]) -> Finding:
 
 def check_storage(write_gbps: float | None, path: str) -> Finding:
     if write_gbps is None:
-        return inconclusive("checkpoint_write", f"{path}: checkpoint write throughput not measured", subject=path)
+        return inconclusive("io", f"{path}: checkpoint write throughput not measured", subject=path)
     text = f"{path}: checkpoint-style sequential write {write_gbps:.2f} GB/s (fsync'd)"
     if write_gbps < CHECKPOINT_WRITE_WARN_GBPS:
-        return warn("checkpoint_write", text + f": a 100 GB checkpoint would take {100 / write_gbps / 60:.0f} min",
+        return warn("io", text + f": a 100 GB checkpoint would take {100 / write_gbps / 60:.0f} min",
                     measured=write_gbps, subject=path, handbook=["slow-checkpoint-save-shared-fs"])
-    return ok("checkpoint_write", text, measured=write_gbps, subject=path)
+    return ok("io", text, measured=write_gbps, subject=path)

@@ -14,7 +14,8 @@ from mleng.doctor.findings import SEVERITY_RANK, Finding, inconclusive, worst
 from mleng.results.record import Measurement
 
 def _measurement_plan(tier: str, has_gpu: bool, checkpoint_dir: str) -> list[tuple[str, list[str], float]]:
-    """(name, mleng argv, timeout_s) per quick measurement; sizes grow with the tier."""
+    """(name, mleng argv, timeout_s) per quick measurement, named after the command it runs (its finding and its
+    key in summary["measurements"] too); sizes grow with the tier."""
     # On a GPU the budget counts CUDA start-up too: below ~20 s the search barely leaves its coarse sweep.
     mamf_seconds = {"quick": 15 if has_gpu else 8, "default": 30 if has_gpu else 20, "full": 60}[tier]
     mamf = ["mamf", "--max-seconds", str(mamf_seconds)]
@@ -25,10 +26,10 @@ def _measurement_plan(tier: str, has_gpu: bool, checkpoint_dir: str) -> list[tup
     comm = ["comm", "--op", "all_reduce" if tier != "full" else "all", "-b", "1M", "-e", comm_max,
             "--iters", "10" if tier != "full" else "20", "--timeout", "60"]
     membw = ["membw"] + (["--size", "256M"] if not has_gpu and tier != "full" else [])
-    plan = [("matmul", mamf, mamf_seconds + 120), ("collective", comm, 240), ("membw", membw, 180)]
+    plan = [("mamf", mamf, mamf_seconds + 120), ("comm", comm, 240), ("membw", membw, 180)]
     if tier != "quick":
         io_size = {"default": "256MiB", "full": "2GiB"}[tier]
-        plan.append(("storage", ["io", checkpoint_dir, "--size", io_size, "--jobs", "2", "--duration", "3"], 240))
+        plan.append(("io", ["io", checkpoint_dir, "--size", io_size, "--jobs", "2", "--duration", "3"], 240))
     return plan
 
 
@@ -92,20 +93,20 @@ def judge_measurement(name: str, outcome: dict[str, Any], fp: dict[str, Any], ch
         return [inconclusive(name, f"{name} measurement could not run: {outcome.get('error')}")]
     record = outcome["record"]
     summary = dict(record.get("summary") or {})
-    if record.get("status") == "failed" or summary.get("value") is None and name != "storage":
+    if record.get("status") == "failed" or summary.get("value") is None and name != "io":
         row_error = next((r.get("error") for r in record.get("rows") or [] if r.get("error")), None)
         return [inconclusive(name, f"{name} measurement failed: {record.get('error') or row_error or 'no result'}")]
-    if name == "matmul":
+    if name == "mamf":
         summary.setdefault("dtype", (record.get("params") or {}).get("dtype"))
         return [measured.check_matmul(summary, _vendor(fp))]
-    if name == "collective":
+    if name == "comm":
         if (record.get("params") or {}).get("world_size") == 1:
-            return [inconclusive("busbw", "one rank only: a collective crosses no link (one GPU on this node)",
+            return [inconclusive("comm", "one rank only: a collective crosses no link (one GPU on this node)",
                                  measured=summary.get("value"))]
         return [measured.check_busbw(summary)]
     if name == "membw":
         return [measured.check_membw(summary)]
-    if name == "storage":
+    if name == "io":
         return [measured.check_storage(summary.get("ckpt_save_gbps"), checkpoint_dir)]
     return []
 
@@ -201,16 +202,16 @@ def run_doctor(tier: str = "default", expect_gpus: int | None = None, checkpoint
         if measure:
             gpu_count = len(checks.gpu_devices(fingerprint))
             for name, argv, timeout_s in _measurement_plan(tier, has_gpu, checkpoint_dir):
-                if name == "collective" and gpu_count == 1:
+                if name == "comm" and gpu_count == 1:
                     # One rank's all-reduce moves no data: there is no rate to judge (comm says so too).
-                    findings.append(checks.skipped("collective", "one GPU: no link between GPUs to measure; "
+                    findings.append(checks.skipped("comm", "one GPU: no link between GPUs to measure; "
                                                    "run the doctor on a node with several GPUs, or `mleng check`"))
                     continue
                 step(f"measure {name}: mleng {' '.join(argv)}")
                 outcome = run_mleng_json(argv, timeout_s)
                 if "record" in outcome:
                     measurements[name] = outcome["record"].get("id")
-                    if name == "matmul":
+                    if name == "mamf":
                         load_samples = _load_samples(outcome["record"])
                 findings += judge_measurement(name, outcome, fingerprint, checkpoint_dir)
         if burn_s and local:

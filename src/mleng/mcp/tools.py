@@ -168,10 +168,12 @@ TOOLS: list[ToolSpec] = [
     ToolSpec("doctor", ("doctor",),
              "mleng doctor's quick tier: health checks (GPU count, clocks, ECC, PCIe, NVLink, NUMA binding, "
              "NCCL env, /dev/shm, memlock, checkpoint disk) and, unless no_measure, the quick measurements "
-             "(matmul, all-reduce, memory bandwidth; those need --allow-measure). With `fingerprint` it "
+             "(those need --allow-measure), each finding named after the command it runs: mamf (matmul TFLOPS), comm "
+             "(all-reduce busbw), membw (memory bandwidth). With `fingerprint` it "
              "diagnoses a recorded `mleng env --json` file instead (no measurement). Returns the doctor "
              "record: rows are the findings (check, severity fail/warn/ok/inconclusive/skipped, summary, "
-             "measured, expected, cause, handbook ids); summary has the verdict and counts.",
+             "measured, expected, cause, handbook ids); summary has the verdict, counts and the ids of the "
+             "measurements' own records by command (measurements).",
              call=_doctor, child=lambda args: args.fingerprint is None,
              measures=lambda args: args.fingerprint is None and not args.no_measure,
              fixed=("--quick",), exclude=frozenset({"quick", "full", "report"}), read_only=False),

@@ -20,6 +20,10 @@ V1_KEY_RENAMES = {"sm_clock_mean_mhz": "sm_clock_mhz_mean", "power_mean_w": "pow
 # A record's kind is the name of the command that made it; records made before that carry the benchmark's
 # name and are read as the command's (any schema version).
 FORMER_KINDS = {"collective": "comm", "connectivity": "check", "storage": "io"}
+# A doctor finding of a quick measurement is named after the command it runs (mamf, comm, membw, io), and so is
+# its key in summary["measurements"]; doctor records made before carry these names and are read under the new.
+FORMER_DOCTOR_CHECKS = {"matmul": "mamf", "busbw": "comm", "collective": "comm", "checkpoint_write": "io",
+                        "storage": "io"}
 SCHEMA = f"{SCHEMA_NAME}/{SCHEMA_VERSION}"
 STATUSES = ("complete", "interrupted", "failed")
 
@@ -125,10 +129,36 @@ def stored_kinds(kind: str) -> tuple[str, ...]:
     return (current, *(old for old, new in FORMER_KINDS.items() if new == current))
 
 
+def current_check(check: str) -> str:
+    """A doctor finding's name now, also for a finding of a doctor run made before (matmul: mamf)."""
+    return FORMER_DOCTOR_CHECKS.get(check, check) if isinstance(check, str) else check
+
+
+def _upgrade_doctor(data: dict[str, Any]) -> dict[str, Any]:
+    """A doctor record with its measured findings and summary["measurements"] under the commands' names."""
+    rows = data.get("rows")
+    summary = data.get("summary")
+    measurements = summary.get("measurements") if isinstance(summary, dict) else None
+    old_rows = isinstance(rows, list) and any(isinstance(r, dict) and current_check(r.get("check")) != r.get("check")
+                                              for r in rows)
+    old_keys = isinstance(measurements, dict) and any(current_check(k) != k for k in measurements)
+    if not old_rows and not old_keys:
+        return data
+    data = dict(data)
+    if old_rows:
+        data["rows"] = [{**r, "check": current_check(r.get("check"))} if isinstance(r, dict) and "check" in r else r
+                        for r in rows]
+    if old_keys:
+        data["summary"] = {**summary, "measurements": {current_check(k): v for k, v in measurements.items()}}
+    return data
+
+
 def upgrade(data: dict[str, Any]) -> dict[str, Any]:
     """A record of an older schema in the current one's names (a copy; current records come back as they are)."""
     if data.get("kind") in FORMER_KINDS:
         data = {**data, "kind": FORMER_KINDS[data["kind"]]}
+    if data.get("kind") == "doctor":
+        data = _upgrade_doctor(data)
     version = int(str(data.get("schema", "")).partition("/")[2] or SCHEMA_VERSION)
     if version >= SCHEMA_VERSION:
         return data

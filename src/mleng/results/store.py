@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 from mleng.errors import MlengError, StoreError, UsageError
 from mleng.results.record import (
-    SCHEMA_VERSION, Measurement, check_schema, current_kind, stored_kinds, upgrade,
+    SCHEMA_VERSION, Measurement, check_schema, current_check, current_kind, stored_kinds, upgrade,
 )
 
 APPLICATION_ID = 0x6D6C6E67  # "mlng": marks the file as ours
@@ -262,8 +262,13 @@ class Store:
                                (uuid, exclude_id or "", int(limit_runs))).fetchall()
             runs_list = []
             for measurement_id, started_at, host, index in ids:
-                checks = dict(conn.execute("SELECT check_name, severity FROM gpu_findings WHERE gpu_uuid = ? AND "
-                                           "measurement_id = ?", (uuid, measurement_id)).fetchall())
+                checks: dict[str, str] = {}
+                for check, severity in conn.execute("SELECT check_name, severity FROM gpu_findings WHERE gpu_uuid = ? "
+                                                    "AND measurement_id = ?", (uuid, measurement_id)).fetchall():
+                    # an index row of a doctor run made before the findings' renames: read under the new name
+                    check = current_check(check)
+                    if check not in checks or _SEVERITY_ORDER.get(severity, 9) < _SEVERITY_ORDER.get(checks[check], 9):
+                        checks[check] = severity
                 runs_list.append({"measurement_id": measurement_id, "started_at": started_at, "host": host,
                                   "gpu_index": index, "checks": checks})
             if runs_list:
@@ -318,7 +323,7 @@ class Store:
             args.append(int(limit))
         rows = []
         for id_, kind_, status, started_at, host, summary, schema in conn.execute(sql, args):  # noqa: B007
-            summary = upgrade({"schema": schema, "summary": json.loads(summary)})["summary"]
+            summary = upgrade({"schema": schema, "kind": kind_, "summary": json.loads(summary)})["summary"]
             rows.append({"id": id_, "kind": current_kind(kind_), "status": status, "started_at": started_at,
                          "host": host, "summary": summary})
         return rows
@@ -379,7 +384,7 @@ def gpu_findings_of(record: dict[str, Any]) -> dict[tuple[str, str], tuple[int |
             uuid = uuid or by_index.get(index)
         if not uuid:
             continue
-        key = (uuid, row["check"])
+        key = (uuid, current_check(row["check"]))
         previous = out.get(key)
         if previous is None or _SEVERITY_ORDER[row["severity"]] < _SEVERITY_ORDER[previous[1]]:
             out[key] = (index, row["severity"])
