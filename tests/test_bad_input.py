@@ -805,7 +805,7 @@ def test_comm_stopped_by_a_signal_says_so_once_and_keeps_its_rows(tmp_path, sig,
 def test_sigterm_during_doctor_keeps_the_checks_and_the_measurements_run_so_far(tmp_path):
     home = tmp_path / "home"
     proc = _start(["doctor", "--quick", "--checkpoint-dir", str(tmp_path)], home, tmp_path)
-    _wait_for_line(proc, "measure collective", timeout=120)  # the matmul measurement is done and stored
+    _wait_for_line(proc, "measure comm", timeout=120)  # the matmul measurement is done and stored
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err
