@@ -8,9 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from mleng.handbook.index import open_index
 from mleng.handbook.model import load_entries
-from mleng.handbook.search import evaluate
+from test_handbook_devsets import search_quality
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRIES = ROOT / "src" / "mleng" / "handbook" / "entries"
@@ -48,13 +47,5 @@ def test_devset4a_gap_cases_name_the_entries_written_for_them():
 
 
 def test_search_quality_on_devset4a(tmp_path):
-    cases = _cases()
-    index = open_index(ENTRIES, tmp_path / "idx.sqlite")
-    try:
-        result = evaluate(cases, index, depth=3)
-    finally:
-        index.close()
-    print(f"\ndev set 4a: {result['cases']} queries, hit@1 {result['hit_at_1']:.3f}, hit@3 {result['hit_at_3']:.3f}")
-    misses = [f"{'/'.join(c['expected'])} <- {r['query'][:80]!r} (got {r['got']})"
-              for c, r in zip(cases, result["rows"]) if not r["position"]]
-    assert result["hit_at_3"] >= MIN_HIT_AT_3, "\n".join(misses)
+    result, misses = search_quality("dev set 4a", _cases(), tmp_path)
+    assert result["hit_at_3"] >= MIN_HIT_AT_3, misses
