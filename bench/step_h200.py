@@ -91,23 +91,17 @@ def mleng_step(label: str, shape: dict, extra: list[str], args, env: dict) -> di
     return run
 
 
-def hf_peer(label: str, shape: dict, compile_on: bool, args, env: dict) -> dict:
-    command = [sys.executable, str(HERE), "--peer-hf", "--compile", "on" if compile_on else "off",
-               *shape_args(shape)]
+# peer -> (this script's flag that runs it in a child, the record's impl name)
+PEERS = {"hf": ("--peer-hf", "HF LlamaForCausalLM"), "torchtitan": ("--peer-torchtitan", "torchtitan Llama3Model")}
+
+
+def peer_run(peer: str, label: str, shape: dict, compile_on: bool, args, env: dict) -> dict:
+    flag, impl = PEERS[peer]
+    command = [sys.executable, str(HERE), flag, "--compile", "on" if compile_on else "off", *shape_args(shape)]
     if args.cpu_smoke:
         command.append("--cpu")
     run = run_child(label, command, args.out, args.part, args.timeout, env)
-    run["impl"] = "HF LlamaForCausalLM"
-    return run
-
-
-def torchtitan_peer(label: str, shape: dict, compile_on: bool, args, env: dict) -> dict:
-    command = [sys.executable, str(HERE), "--peer-torchtitan", "--compile", "on" if compile_on else "off",
-               *shape_args(shape)]
-    if args.cpu_smoke:
-        command.append("--cpu")
-    run = run_child(label, command, args.out, args.part, args.timeout, env)
-    run["impl"] = "torchtitan Llama3Model"
+    run["impl"] = impl
     return run
 
 
@@ -187,7 +181,7 @@ def main() -> int:
     if args.out is None:
         parser.error("--out DIR is required")
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
-    if not peers or set(peers) - {"hf", "torchtitan"}:
+    if not peers or set(peers) - set(PEERS):
         parser.error(f"--peers {args.peers}: give hf, torchtitan or both, comma-separated")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.cpu_smoke:
@@ -214,11 +208,11 @@ def main() -> int:
             if os.environ.get("MLENG_BENCH_CPU_COMPILE"):
                 runs.append(mleng_step("tiny-plain-compiled", shape, base + ["--compile", "on"], args, env))
             if "hf" in peers:
-                runs.append(hf_peer("tiny-hf-eager", shape, False, args, env))
+                runs.append(peer_run("hf", "tiny-hf-eager", shape, False, args, env))
             if "torchtitan" in peers:  # eager only: compile on a CPU is opt-in (MLENG_BENCH_CPU_COMPILE)
-                runs.append(torchtitan_peer("tiny-torchtitan-eager", shape, False, args, env))
+                runs.append(peer_run("torchtitan", "tiny-torchtitan-eager", shape, False, args, env))
                 if os.environ.get("MLENG_BENCH_CPU_COMPILE"):
-                    runs.append(torchtitan_peer("tiny-torchtitan-compiled", shape, True, args, env))
+                    runs.append(peer_run("torchtitan", "tiny-torchtitan-compiled", shape, True, args, env))
         elif args.part == "a":
             if not _has_mamf(home):
                 runs.append(run_child("mamf", [sys.executable, "-m", "mleng", "mamf", "--max-seconds",
@@ -233,12 +227,12 @@ def main() -> int:
                     save()
         elif args.part == "c":
             planned = [(f"8b-4l-{peer}-{'compiled' if compile_on else 'eager'}", peer, compile_on)
-                       for peer in ("hf", "torchtitan") if peer in peers for compile_on in (False, True)]
+                       for peer in PEERS if peer in peers for compile_on in (False, True)]
             if out_file.exists():  # a run of some of the peers keeps the others' runs already measured
                 labels = {label for label, _, _ in planned}
                 runs.extend(r for r in json.loads(out_file.read_text())["runs"] if r["label"] not in labels)
             for label, peer, compile_on in planned:
-                runs.append((hf_peer if peer == "hf" else torchtitan_peer)(label, PART_A, compile_on, args, env))
+                runs.append(peer_run(peer, label, PART_A, compile_on, args, env))
                 save()
         else:
             shape = PART_B_1B
