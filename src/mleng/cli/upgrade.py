@@ -70,7 +70,7 @@ def _mamf_value(run_id: str | None) -> float | None:
 
 def _step_mfu(run_id: str, old, dtype: str) -> tuple[float, str]:
     """The measured MFU of a stored `mleng step` run on the --from GPU, and where it came from."""
-    from mleng.measure.dtypes import ALIASES
+    from mleng.measure.dtypes import torch_name
     from mleng.results.store import Store
     from mleng.specs import lookup_accelerator
 
@@ -90,10 +90,6 @@ def _step_mfu(run_id: str, old, dtype: str) -> tuple[float, str]:
         device = None
     if device is None or device.key != old.key:
         raise UsageError(f"run {m.id} ran on {summary.get('device_name')}, not on {old.name} (--from)", hint=hint)
-    def torch_name(text: str) -> str:
-        key = str(text).strip().lower().replace("torch.", "")
-        return ALIASES.get(key, key)
-
     if torch_name(summary.get("dtype")) != torch_name(dtype):
         raise UsageError(f"run {m.id} measured MFU against the {summary.get('dtype')} peak; --dtype is {dtype}",
                          hint=f"pass --dtype {summary.get('dtype')} or a step run made at {dtype}")

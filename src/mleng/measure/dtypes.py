@@ -18,10 +18,15 @@ ALIASES = {
 COLLECTIVE_DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "int8")
 
 
-def canonical(text: str, allowed: Sequence[str]) -> str:
-    """The torch name of `text` ('bf16', 'torch.bfloat16', 'BFloat16' -> 'bfloat16'), if `allowed` holds it."""
+def torch_name(text: str) -> str:
+    """The torch name a user's dtype spelling means ('bf16', 'torch.bfloat16', 'BFloat16' -> 'bfloat16')."""
     key = str(text).strip().lower().replace("torch.", "")
-    key = ALIASES.get(key, key)
+    return ALIASES.get(key, key)
+
+
+def canonical(text: str, allowed: Sequence[str]) -> str:
+    """The torch name of `text` (see torch_name), if `allowed` holds it."""
+    key = torch_name(text)
     if key not in allowed:
         raise UsageError(f"unknown dtype {text!r}", hint=f"use one of: {', '.join(allowed)}")
     return key
