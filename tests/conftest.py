@@ -32,3 +32,12 @@ def run_mleng(mleng_home):
                               timeout=timeout, env=full_env, input=input)
 
     return _run
+
+
+@pytest.fixture(scope="module")
+def index_home(tmp_path_factory):
+    """One MLENG_HOME per test module with the handbook index already built (building it takes seconds)."""
+    path = tmp_path_factory.mktemp("index-home")
+    subprocess.run([sys.executable, "-c", "from mleng.handbook.index import open_index; open_index().close()"],
+                   check=True, env=dict(os.environ, MLENG_HOME=str(path)), timeout=120)
+    return path

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,15 +23,6 @@ FUNCTIONS = {"ask": "ask", "triage": "triage", "mamf": "mamf", "comm": "comm", "
 # The positional of a command and its keyword in the API
 POSITIONAL = {"ask": {"text": "text"}, "triage": {"logfile": "path"}, "io": {"path": "path"},
               "memory": {"model": "model"}}
-
-
-@pytest.fixture(scope="module")
-def index_home(tmp_path_factory):
-    """A home with the handbook index already built (building it takes seconds)."""
-    home = tmp_path_factory.mktemp("api-home")
-    subprocess.run([sys.executable, "-c", "from mleng.handbook.index import open_index; open_index().close()"],
-                   check=True, env=dict(os.environ, MLENG_HOME=str(home)), timeout=120)
-    return home
 
 
 def test_import_mleng_does_not_import_torch():

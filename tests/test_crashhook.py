@@ -68,15 +68,6 @@ MISMATCH = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    """One MLENG_HOME with the handbook index built once, shared by the scripts of this module."""
-    path = tmp_path_factory.mktemp("crash-home")
-    subprocess.run([sys.executable, "-c", "from mleng.handbook.index import open_index; open_index().close()"],
-                   check=True, env=dict(os.environ, MLENG_HOME=str(path)), timeout=120)
-    return path
-
-
 def _env(home, **extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_JOB_ID")}
@@ -131,8 +122,8 @@ def _without_notes(err: str) -> list[str]:
     return sorted(lines)
 
 
-def test_known_errors_get_the_note_after_the_unchanged_traceback(tmp_path, home):
-    results = _pairs(tmp_path, home, ["device", "loader", "disk", "unknown", "exit"],
+def test_known_errors_get_the_note_after_the_unchanged_traceback(tmp_path, index_home):
+    results = _pairs(tmp_path, index_home, ["device", "loader", "disk", "unknown", "exit"],
                      lambda script: [sys.executable, "-m", "mleng.run", str(script)])
     for name, ((p_code, p_out, p_err), (h_code, h_out, h_err)) in results.items():
         assert h_code == p_code, name
@@ -154,18 +145,18 @@ def test_known_errors_get_the_note_after_the_unchanged_traceback(tmp_path, home)
     assert code == 7 and hooked == err == "" and h_out == out == "bye\n"
 
 
-def test_install_crash_hook_in_the_script_and_a_broken_handbook(tmp_path, home):
+def test_install_crash_hook_in_the_script_and_a_broken_handbook(tmp_path, index_home):
     scripts = {}
     for name, first in (("plain", "import mleng\nmleng.__version__\n"),
                         ("hooked", "import mleng\nmleng.install_crash_hook()\n")):
         (tmp_path / name).mkdir()
         scripts[name] = tmp_path / name / "disk.py"
         scripts[name].write_text(first + textwrap.dedent(CASES["disk"]))
-    runs = [_start([sys.executable, str(scripts["plain"])], tmp_path, _env(home)),
-            _start([sys.executable, str(scripts["hooked"])], tmp_path, _env(home)),
+    runs = [_start([sys.executable, str(scripts["plain"])], tmp_path, _env(index_home)),
+            _start([sys.executable, str(scripts["hooked"])], tmp_path, _env(index_home)),
             # the handbook cannot be opened: the crash goes through exactly as without the hook
             _start([sys.executable, str(scripts["hooked"])], tmp_path,
-                   _env(home, MLENG_HANDBOOK_DIR=str(tmp_path / "none")))]
+                   _env(index_home, MLENG_HANDBOOK_DIR=str(tmp_path / "none")))]
     (p_out, p_err), (h_out, h_err), (b_out, b_err) = [p.communicate(timeout=120) for p in runs]
     assert [p.returncode for p in runs] == [1, 1, 1]
     assert h_out == p_out == b_out
@@ -176,12 +167,12 @@ def test_install_crash_hook_in_the_script_and_a_broken_handbook(tmp_path, home):
     assert b_err == p_err
 
 
-def test_under_torchrun_one_note_for_the_job_and_the_ranks_exit_as_without(tmp_path, home):
+def test_under_torchrun_one_note_for_the_job_and_the_ranks_exit_as_without(tmp_path, index_home):
     script = tmp_path / "mismatch.py"
     script.write_text(MISMATCH)
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    plain = _start([*run, str(script)], tmp_path, _env(home))
-    hooked = _start([*run, "-m", "mleng.run", str(script)], tmp_path, _env(home))
+    plain = _start([*run, str(script)], tmp_path, _env(index_home))
+    hooked = _start([*run, "-m", "mleng.run", str(script)], tmp_path, _env(index_home))
     p_out, p_err = plain.communicate(timeout=120)
     h_out, h_err = hooked.communicate(timeout=120)
     assert plain.returncode == hooked.returncode == 1
@@ -205,13 +196,13 @@ def test_under_torchrun_one_note_for_the_job_and_the_ranks_exit_as_without(tmp_p
     assert "mleng:" not in p_err
 
 
-def test_torchruns_own_failure_is_explained_from_the_ranks_error_files(tmp_path, home, capsys, monkeypatch):
+def test_torchruns_own_failure_is_explained_from_the_ranks_error_files(tmp_path, index_home, capsys, monkeypatch):
     pytest.importorskip("torch")
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     from mleng import crashhook
 
-    monkeypatch.setenv("MLENG_HOME", str(home))
+    monkeypatch.setenv("MLENG_HOME", str(index_home))
     for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR"):
         monkeypatch.delenv(name, raising=False)
     failures = {}

@@ -331,15 +331,6 @@ def _same(text: str) -> str:
     return re.sub(r"\d+(\.\d+)?", "N", text)
 
 
-@pytest.fixture(scope="module")
-def index_home(tmp_path_factory):
-    """One MLENG_HOME with the handbook index built once, for the crashing scripts of this module."""
-    path = tmp_path_factory.mktemp("crash-home")
-    subprocess.run([sys.executable, "-c", "from mleng.handbook.index import open_index; open_index().close()"],
-                   check=True, env=dict(os.environ, MLENG_HOME=str(path)), timeout=120)
-    return path
-
-
 def _crash(script: str, tmp_path, home, modes):
     (tmp_path / "train.py").write_text(script)
     return [_start([sys.executable, "train.py", mode], tmp_path, _env(home)) for mode in modes]
