@@ -38,12 +38,9 @@ def run(args: argparse.Namespace) -> int:
     answer = result(args)
     # Like grep: 0 when the handbook has a confident answer, 1 when it does not.
     code = 0 if answer["confident"] else 1
-    if args.json:
-        from mleng.cli.render import print_json
+    from mleng.cli.render import emit
 
-        print_json(answer)
-        return code
-    print(render_answer(answer))
+    emit(args, answer, render_answer)
     return code
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from mleng.cli.render import print_json, table
+from mleng.cli.render import emit, table
 from mleng.errors import UsageError
 from mleng.measure.sizes import format_bytes
 
@@ -27,10 +27,7 @@ def run(args: argparse.Namespace) -> int:
         from mleng.machine.fingerprint import collect
 
         fingerprint = collect(gpus=not args.no_gpus, torch_versions=not args.no_torch)
-    if args.json:
-        print_json(fingerprint)
-    else:
-        print(render(fingerprint))
+    emit(args, fingerprint, render)
     return 0
 
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from mleng.cli.main import json_parent
-from mleng.cli.render import print_json, table
+from mleng.cli.render import emit, print_json, table
 from mleng.errors import UsageError
 
 
@@ -92,10 +92,7 @@ def list_result(args, index=None) -> dict:
 
 def _show(args) -> int:
     entry = show_result(args)
-    if args.json:
-        print_json(entry)
-        return 0
-    print(render_entry(entry))
+    emit(args, entry, render_entry)
     return 0
 
 

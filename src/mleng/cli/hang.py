@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from mleng.cli.main import json_parent
-from mleng.cli.render import print_json
+from mleng.cli.render import emit, print_json
 from mleng.errors import EXIT_OK, EXIT_PROBLEM, NotAvailableError, UsageError
 
 
@@ -49,10 +49,8 @@ def _dump(args: argparse.Namespace) -> int:
         result = dump_job(pid=args.pid, slurm_job=job, native=args.native)
     if args.jsonl:
         sys.stdout.write(json.dumps(result) + "\n")
-    elif args.json:
-        print_json(result)
     else:
-        print(render_dump(result))
+        emit(args, result, render_dump)
     return EXIT_PROBLEM if any(g["outlier"] for g in result["groups"]) else EXIT_OK
 
 

@@ -261,13 +261,10 @@ def _book_form(args, strategies) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mleng.cli.render import print_json
+    from mleng.cli.render import emit
 
     out = result(args)
-    if args.json:
-        print_json(out)
-    else:
-        print(render(out))
+    emit(args, out, render)
     return 0
 
 

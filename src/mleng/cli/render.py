@@ -5,12 +5,20 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 
 def print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
+
+
+def emit(args, value: Any, render: Callable[[Any], str]) -> None:
+    """A command's result on stdout: the value as JSON under --json, else its rendering."""
+    if args.json:
+        print_json(value)
+    else:
+        print(render(value))
 
 
 def format_cell(value: Any) -> str:

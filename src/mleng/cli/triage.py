@@ -16,12 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     report = result(args)
-    if args.json:
-        from mleng.cli.render import print_json
+    from mleng.cli.render import emit
 
-        print_json(report)
-    else:
-        print(render(report))
+    emit(args, report, render)
     return 1 if report["findings"] else 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mleng.cli.render import print_json, table
+from mleng.cli.render import emit, table
 from mleng.errors import UsageError
 
 
@@ -101,10 +101,7 @@ def _step_mfu(run_id: str, old, dtype: str) -> tuple[float, str]:
 
 def run(args: argparse.Namespace) -> int:
     decision = result(args)
-    if args.json:
-        print_json(decision)
-        return 0
-    print(render(decision))
+    emit(args, decision, render)
     return 0
 
 
