@@ -1,4 +1,5 @@
-"""The handbook linter: every rule of HANDBOOK_FORMAT.md, one problem per line with what to do."""
+"""The handbook linter: every rule of the entry format (the keys, sections and categories of model.py), one
+problem per line with what to do."""
 
 from __future__ import annotations
 
