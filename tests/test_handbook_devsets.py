@@ -75,3 +75,24 @@ def test_plain_language_synonyms_meet_the_entry_words():
     assert "initialize" in T.terms("failed to initialise NCCL")
     assert "sync" in T.terms("a hidden synchronization every step")
     assert "precise" in T.terms("precise")   # not every word ending in -ise is British spelling
+
+
+DEVSET5 = ROOT / "tests" / "handbook_devset5.yaml"
+
+
+def test_devset5_labels_name_entries():
+    """Dev set 5 (the frozen set of 2026-12-02, retired): every label is an entry; [] marks a cause no entry covers."""
+    cases = yaml.safe_load(DEVSET5.read_text())
+    ids = {e.id for e in load_entries(ENTRIES)[0]}
+    assert len(cases) == 137 and len({c["source"] for c in cases}) == 137
+    for case in cases:
+        assert case["source"].startswith("https://") and case["cause"].strip(), case
+        assert isinstance(case["expected"], list), case
+        for entry_id in case["expected"]:
+            assert entry_id in ids, f"dev set 5 names {entry_id!r}, which is not an entry"
+
+
+def test_search_quality_on_devset5_covered(tmp_path):
+    covered = [c for c in yaml.safe_load(DEVSET5.read_text()) if c["expected"]]
+    result, misses = search_quality("dev set 5 (covered cases)", covered, tmp_path)
+    assert result["hit_at_3"] >= 0.78, misses
