@@ -96,3 +96,14 @@ def test_search_quality_on_devset5_covered(tmp_path):
     covered = [c for c in yaml.safe_load(DEVSET5.read_text()) if c["expected"]]
     result, misses = search_quality("dev set 5 (covered cases)", covered, tmp_path)
     assert result["hit_at_3"] >= 0.78, misses
+
+
+def test_frozen_sets_are_unchanged():
+    """A frozen evaluation set is never edited after it is committed with its sha256."""
+    import hashlib
+
+    lines = (ROOT / "tests" / "handbook_frozen.sha256").read_text().split("\n")
+    recorded = dict(reversed(line.split(None, 1)) for line in lines if line.strip())
+    assert {"tests/handbook_frozen2.yaml", "tests/handbook_oos_frozen.yaml"} <= set(recorded)
+    for name, digest in recorded.items():
+        assert hashlib.sha256((ROOT / name).read_bytes()).hexdigest() == digest, f"{name} changed since frozen"
