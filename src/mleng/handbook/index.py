@@ -143,26 +143,24 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> 
 
     entries, skipped = load_entries(directory)
     _create_schema(conn)
-    shingle_sets: dict[int, set[str]] = {}
+    summary = []
     postings: list[tuple[str, int, int, int]] = []
     for rowid, entry in enumerate(entries, start=1):
         data = entry.to_dict()
-        words = T.terms(entry.title)
-        shingle_set = T.shingles(words)
+        columns = entry_columns(data)
+        shingle_set = T.shingles(columns[FTS_COLUMNS.index("title")])
         for symptom in entry.symptoms:
             shingle_set |= T.shingles(T.terms(symptom))
-        shingle_sets[rowid] = shingle_set
-        columns = entry_columns(data)
+        codes, shingles = sorted(entry_codes(data)), sorted(shingle_set)
+        anchors = [T.regex_anchor(s) for s in entry.signatures]
         conn.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)", (
-            rowid, entry.id, json.dumps(data), json.dumps(sorted(entry_codes(data))),
-            json.dumps(sorted(shingle_set)), json.dumps([T.regex_anchor(s) for s in entry.signatures]),
+            rowid, entry.id, json.dumps(data), json.dumps(codes), json.dumps(shingles), json.dumps(anchors),
             sum(len(words) for words in columns),
         ))
         postings.extend((term, rowid, col, tf) for term, col, tf in entry_postings(columns))
+        summary.append([rowid, entry.id, entry.category, entry.signatures, entry.tags, codes, shingles, anchors])
     conn.executemany("INSERT INTO postings VALUES (?, ?, ?, ?)", postings)
     conn.execute("CREATE INDEX postings_term ON postings (term)")
-    summary = [[rowid, e.id, e.category, e.signatures, e.tags, sorted(entry_codes(e.to_dict())), sorted(shingle_sets[rowid]),
-                [T.regex_anchor(p) for p in e.signatures]] for rowid, e in enumerate(entries, start=1)]
     conn.execute("INSERT INTO meta VALUES ('summary', ?)", (json.dumps(summary),))
     conn.executemany("INSERT INTO skipped VALUES (?, ?, ?)", [(e.file, e.field, e.message) for e in skipped])
     conn.execute("INSERT INTO meta VALUES ('fingerprint', ?)", (print_fingerprint,))
