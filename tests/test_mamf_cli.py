@@ -126,6 +126,24 @@ def test_ctrl_c_keeps_the_best_so_far(mleng_home):
     assert record.summary["stop_reason"] == "interrupted"
 
 
+def test_all_devices_combines_one_run_per_device_process(mleng_home):
+    # --all-devices asks for GPUs; its engine measures any device list, here the CPU twice at once.
+    from mleng.measure.matmul import MamfOptions, Shape, run_all_devices
+
+    options = MamfOptions(shapes=[Shape(256, 256, 256), Shape(256, 256, 512)], iters=5, max_seconds=60, seeds=False)
+    record = run_all_devices(options, ["cpu", "cpu"])
+    assert record.status == "complete" and record.params["devices"] == 2, record.error
+    assert record.params["options"]["shapes"] == 2 and record.params["options"]["device"] is None
+    s = record.summary
+    assert [d["device"] for d in s["per_device"]] == [0, 1]
+    assert all(d["status"] == "complete" and d["tflops_median"] > 0 for d in s["per_device"])
+    assert {r["device"] for r in record.rows} == {0, 1}
+    slowest = min(s["per_device"], key=lambda d: d["tflops_median"])
+    assert (s["slowest_device"], s["value"]) == (slowest["device"], slowest["tflops_median"])
+    assert s["errors"] == [] and s["headline"] == "slowest GPU's best median" and s["spread_pct"] >= 0
+    assert stored(mleng_home) == []  # the children store nothing; the CLI stores the combined record
+
+
 def test_cpu_bf16_above_512_only_where_the_cpu_has_bf16_instructions(run_mleng):
     from mleng.measure.matmul import cpu_has_native
 

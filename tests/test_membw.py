@@ -64,8 +64,11 @@ def test_bad_input_is_one_clear_message(run_mleng, args, message):
 
 
 def test_concurrent_workers_run_in_separate_processes():
-    rows = membw.measure_concurrently(["cpu", "cpu"], size_bytes=16 * 2**20, tests=["copy", "write"],
-                                      engines=["torch"], iters=2, warmup=0, threads=1)
+    streamed = []
+    rows, status, error = membw.measure_devices(["cpu", "cpu"], on_row=streamed.append, size_bytes=16 * 2**20,
+                                                tests=["copy", "write"], engines=["torch"], iters=2, warmup=0,
+                                                threads=1)
+    assert (status, error) == ("complete", None) and streamed == rows
     by_worker = {}
     for row in rows:
         by_worker.setdefault(row["worker"], []).append(row["test"])

@@ -101,12 +101,12 @@ def measure(args: argparse.Namespace, progress: bool = False):
             raise UsageError(f"--{flag.replace('_', '-')} must be positive (got {value})")
     shapes = shapes_from_args(args)
     preflight_store(args)  # an unusable store stops us now, not after the whole search
-    if args.all_devices:
-        return _measure_all_devices(args, progress)
     options = MamfOptions(device=args.device, dtype=args.dtype, tf32=args.tf32 == "on",
                           fp8_fast_accum=args.fp8_fast_accum, max_seconds=args.max_seconds, shapes=shapes,
                           min_dim=args.min_dim, max_dim=args.max_dim, granule=args.step, iters=args.iters,
                           seeds=not args.no_seeds)
+    if args.all_devices:
+        return _measure_all_devices(options, progress and not args.json)
     if not progress:
         return run_mamf(options)
     return _run_one(options, quiet=args.json)
@@ -258,35 +258,17 @@ def _render_all_devices(measurement) -> str:
     return "\n".join(lines)
 
 
-def _measure_all_devices(args: argparse.Namespace, progress: bool):
+def _measure_all_devices(options, progress: bool):
     import torch
 
     from mleng.measure.matmul import run_all_devices
 
-    if args.device is not None:
+    if options.device is not None:
         raise UsageError("--all-devices measures every GPU; leave out --device")
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise NotAvailableError("--all-devices needs GPUs, and torch sees none on this machine",
                                 hint="run mleng mamf --device cpu to measure the CPU")
     count = torch.cuda.device_count()
-
-    def child_argv(index: int) -> list[str]:
-        argv = ["mamf", "--device", str(index), "--json", "--no-store", "--max-seconds", str(args.max_seconds),
-                "--tf32", args.tf32, "--step", str(args.step)]
-        for flag in ("dtype", "iters", "min_dim", "max_dim", "m_range", "n_range", "k_range"):
-            value = getattr(args, flag)
-            if value is not None:
-                argv += [f"--{flag.replace('_', '-')}", str(value)]
-        for flag in ("grid", "m", "n", "k"):
-            value = getattr(args, flag)
-            if value:
-                argv += [f"--{flag}", *map(str, value)]
-        if args.fp8_fast_accum:
-            argv.append("--fp8-fast-accum")
-        if args.no_seeds:
-            argv.append("--no-seeds")
-        return argv
-
-    if progress and not args.json:
-        print(f"mleng mamf: {count} GPUs, one process each, budget {args.max_seconds:g} s", file=sys.stderr)
-    return run_all_devices(child_argv, count)
+    if progress:
+        print(f"mleng mamf: {count} GPUs, one process each, budget {options.max_seconds:g} s", file=sys.stderr)
+    return run_all_devices(options, [f"cuda:{index}" for index in range(count)])

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
 import time
 from typing import Any, Callable
 
@@ -331,40 +328,28 @@ def nvml_uuid(device) -> str | None:
     return torch_gpu_uuid(device)
 
 
-def run_all_devices(child_argv: Callable[[int], list[str]], count: int, env: dict[str, str] | None = None):
-    """One `mleng mamf --device I --json --no-store` process per GPU, all at the same time.
+def run_all_devices(options: MamfOptions, devices: list[str]):
+    """run_mamf on every device at once, one process each (measure/fanout.py); the children store nothing.
 
     Returns a Measurement whose rows are every GPU's shapes (with a `device` field) and whose
     summary names each GPU's best, the slowest GPU and the spread between slowest and fastest.
     """
-    import signal
-
+    from mleng.measure.fanout import run_per_device
     from mleng.results.record import Measurement
 
-    processes = []
-    for index in range(count):
-        command = [sys.executable, "-m", "mleng", *child_argv(index)]
-        processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                          env=env or os.environ.copy()))
-    measurement = Measurement.start("mamf", {"all_devices": True, "devices": count,
-                                             "child_argv": child_argv(0)}, machine=collect_for_record())
-    outputs = []
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # children get Ctrl-C and stop themselves
-    try:
-        for index, process in enumerate(processes):
-            stdout, stderr = process.communicate()
-            outputs.append((index, process.returncode, stdout, stderr))
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    options_params = dataclasses.asdict(dataclasses.replace(options, device=None, shapes=None, store_path=None))
+    options_params["shapes"] = len(options.shapes) if options.shapes is not None else None
+    measurement = Measurement.start("mamf", {"all_devices": True, "devices": len(devices), "options": options_params})
+    outcomes = run_per_device(_mamf_on_device, devices, args=options)
+    measurement.machine = collect_for_record()
 
     per_device, errors, interrupted = [], [], False
-    for index, code, stdout, stderr in outputs:
-        try:
-            record = json.loads(stdout)
-        except json.JSONDecodeError:
-            message = (stderr.strip().splitlines() or [f"exit status {code}"])[-1]
-            errors.append(f"GPU {index}: {message}")
+    for index, outcome in enumerate(outcomes):
+        record = outcome.result
+        if record is None and outcome.status == "failed":
+            errors.append(f"GPU {index}: {outcome.error}")
             continue
+        record = record or {"status": outcome.status}  # stopped before its run had begun: nothing measured
         interrupted |= record.get("status") == "interrupted"
         summary = record.get("summary", {})
         for row in record.get("rows", []):
@@ -404,3 +389,8 @@ def run_all_devices(child_argv: Callable[[int], list[str]], count: int, env: dic
     else:
         measurement.finish("complete")
     return measurement
+
+
+def _mamf_on_device(device: str, options: MamfOptions, sync, send) -> dict[str, Any]:
+    """One GPU's run in its fan-out process: the whole run, on this device, as a dict."""
+    return run_mamf(dataclasses.replace(options, device=device)).to_dict()

@@ -252,85 +252,33 @@ def _telemetry(monitor, since: float | None) -> dict[str, Any]:
             "limiting_reasons": window.get("limiting_reasons")}
 
 
-# --- several GPUs at once: one process per GPU -------------------------------------------------
-def _worker(worker_index: int, device: str, kwargs: dict[str, Any], barrier, queue) -> None:
-    import signal
-
-    # The parent handles Ctrl-C and ends the workers; a worker must not die mid-kernel on its own.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    def before_test(_name: str) -> None:
-        # Every GPU starts each test together, so the numbers are concurrent ones.
-        barrier.wait(timeout=600)
-
-    try:
-        measure_device(device, before_test=before_test,
-                       on_row=lambda row: queue.put(("row", worker_index, {**row, "worker": worker_index})),
-                       **kwargs)
-        queue.put(("done", worker_index, None))
-    except BaseException as exc:  # report any failure to the parent, which decides
-        barrier.abort()
-        message = exc.message if isinstance(exc, MlengError) else f"{type(exc).__name__}: {exc}"
-        queue.put(("error", worker_index, message))
+# --- several GPUs at once: one process per GPU (measure/fanout.py) ---------------------------
+def _on_device(device: str, kwargs: dict[str, Any], sync, send) -> None:
+    # Every GPU starts each test together, so the numbers are concurrent ones.
+    measure_device(device, before_test=lambda _name: sync(), on_row=send, **kwargs)
 
 
-def measure_concurrently(devices: list[str], *, on_row: Callable[[dict[str, Any]], None] | None = None,
-                         **kwargs: Any) -> list[dict[str, Any]]:
-    """Run measure_device on each device in its own process, all tests in step."""
-    import multiprocessing as mp
-    import queue as queue_module
+def measure_devices(devices: list[str], *, on_row: Callable[[dict[str, Any]], None] | None = None,
+                    **kwargs: Any) -> tuple[list[dict[str, Any]], str, str | None]:
+    """measure_device on each device in its own process, all tests in step: the rows in arrival order (each
+    with its `worker`), the status and the error. Interrupted or failed devices keep the rows they measured."""
+    from mleng.measure.fanout import run_per_device
 
-    context = mp.get_context("spawn")
-    barrier = context.Barrier(len(devices))
-    results = context.Queue()
-    processes = [context.Process(target=_worker, args=(i, d, kwargs, barrier, results), daemon=True)
-                 for i, d in enumerate(devices)]
-    for p in processes:
-        p.start()
     rows: list[dict[str, Any]] = []
-    errors: list[str] = []
-    pending = set(range(len(devices)))
-    try:
-        while pending:
-            try:
-                kind, index, payload = results.get(timeout=1.0)
-            except queue_module.Empty:
-                dead = [i for i in pending if not processes[i].is_alive()]
-                if dead and results.empty():
-                    for i in dead:
-                        errors.append(f"{devices[i]}: worker exited with code {processes[i].exitcode}")
-                        pending.discard(i)
-                continue
-            if kind == "row":
-                rows.append(payload)
-                if on_row is not None:
-                    on_row(payload)
-            else:
-                pending.discard(index)
-                if kind == "error":
-                    errors.append(f"{devices[index]}: {payload}")
-    except KeyboardInterrupt:
-        for p in processes:
-            p.terminate()
-        raise PartialResult(rows, "interrupted")
-    finally:
-        for p in processes:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+
+    def keep(index: int, row: dict[str, Any]) -> None:
+        row = {**row, "worker": index}
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
+    outcomes = run_per_device(_on_device, devices, args=kwargs, on_message=keep)
+    errors = [f"{o.device}: {o.error}" for o in outcomes if o.status == "failed"]
+    if any(o.status == "interrupted" for o in outcomes):
+        return rows, "interrupted", None
     if errors:
-        raise PartialResult(rows, "failed", "; ".join(errors))
-    return rows
-
-
-class PartialResult(Exception):
-    """Carries the rows measured before an interrupt or a failure, so none are lost."""
-
-    def __init__(self, rows: list[dict[str, Any]], status: str, error: str | None = None):
-        super().__init__(error or status)
-        self.rows = rows
-        self.status = status
-        self.error = error
+        return rows, "failed", "; ".join(errors)
+    return rows, "complete", None
 
 
 # --- the whole run ----------------------------------------------------------------------------
@@ -417,34 +365,30 @@ def run_membw(*, device: int | str | None = None, all_devices: bool = False, siz
     t0 = time.monotonic()
     kwargs = dict(size_bytes=size_bytes, tests=tests, engines=engines, iters=iters, warmup=warmup,
                   threads=threads)
+    context = device_context(devices)
+    m.params["device_names"] = {d: c["name"] for d, c in context.items()}
+    if len(devices) > 1:
+        return _finish(m, *measure_devices(devices, on_row=on_row, **kwargs), context, t0)
+    rows: list[dict[str, Any]] = []
+
+    def keep(row: dict[str, Any]) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
     try:
-        context = device_context(devices)
-        m.params["device_names"] = {d: c["name"] for d, c in context.items()}
-        if len(devices) == 1:
-            rows: list[dict[str, Any]] = []
-
-            def keep(row: dict[str, Any]) -> None:
-                rows.append(row)
-                if on_row is not None:
-                    on_row(row)
-
-            try:
-                measure_device(devices[0], on_row=keep, **kwargs)
-            except KeyboardInterrupt:
-                raise PartialResult(rows, "interrupted")
-            except MlengError as exc:
-                if not rows:
-                    raise
-                # keep the rows, and say what stopped the run (a wrong copy, a lost device), not just that it did
-                raise PartialResult(rows, "failed", exc.message)
-        else:
-            rows = measure_concurrently(devices, on_row=on_row, **kwargs)
-    except PartialResult as partial:
-        return _finish(m, partial.rows, context, t0, partial.status, partial.error)
-    return _finish(m, rows, context, t0, "complete", None)
+        measure_device(devices[0], on_row=keep, **kwargs)
+    except KeyboardInterrupt:
+        return _finish(m, rows, "interrupted", None, context, t0)
+    except MlengError as exc:
+        if not rows:
+            raise
+        # keep the rows, and say what stopped the run (a wrong copy, a lost device), not just that it did
+        return _finish(m, rows, "failed", exc.message, context, t0)
+    return _finish(m, rows, "complete", None, context, t0)
 
 
-def _finish(m, rows, context, t0, status, error):
+def _finish(m, rows, status, error, context, t0):
     m.rows = rows
     add_theory(m.rows, context)
     m.summary = summarize(m.rows, context)
