@@ -448,7 +448,7 @@ def search_data(entries: list[dict]) -> dict:
         source, flags = js_regex(pattern.pattern)
         codes.append([source, flags + ("i" if pattern.flags & re.I else ""), template])
     query = {"stopwords": sorted(T.STOPWORDS), "gpu_model_numbers": sorted(T.GPU_MODEL_NUMBERS), "canonical": sorted(T._CANONICAL.items()),
-             "british": T._BRITISH_RE.pattern, "phrases": [[p.pattern, r] for p, r in T._PHRASES],
+             "british": T._BRITISH_RE.pattern, "phrases": [[p.pattern, r] for p, _, r in T._PHRASES],
              "hex": T._HEX_RE.pattern, "letters_digits": T._LETTERS_DIGITS_RE.pattern,
              "system_path": T._SYSTEM_PATH_RE.pattern, "path": T._PATH_RE.pattern,
              "frame": S._FRAME_RE.pattern, "caret": S._CARET_RE.pattern, "clause": S._CLAUSE_RE.pattern,

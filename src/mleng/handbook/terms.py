@@ -61,10 +61,12 @@ def terms(text: str) -> list[str]:
     concrete instance numbers in a pasted log do not stop it matching an entry's generic words.
     """
     out: list[str] = []
-    text = _SYSTEM_PATH_RE.sub(_system_path, text.lower())
-    text = _PATH_RE.sub(" ", text)
-    for pattern, replacement in _PHRASES:
-        text = pattern.sub(replacement, text)
+    text = text.lower()
+    if "/" in text or "\\" in text:
+        text = _PATH_RE.sub(" ", _SYSTEM_PATH_RE.sub(_system_path, text))
+    for pattern, needed, replacement in _PHRASES:
+        if needed in text:
+            text = pattern.sub(replacement, text)
     for token in _TOKEN_RE.findall(text):
         out.extend(_token_terms(token))
     return out
@@ -92,8 +94,10 @@ _CANONICAL = {word: canon for canon, group in SYNONYMS.items() for word in group
 _BRITISH_RE = re.compile(r"^(initial|optim|serial|deserial|normal|util|synchron|recogn|minim|maxim|parallel"
                          r"|token|summar|organ|priorit|real|custom|visual|final|author|special|categor|quant"
                          r"|vector|random|character|standard|stabil|central|local)is(e|es|ed|ing|er|ers|ation|ations)$")
-_PHRASES = [(re.compile(r"\blow[\s-]+speed\b"), "slow"), (re.compile(r"\bblows?[\s-]+up\b"), "diverge"),
-            (re.compile(r"\bout[\s-]+of[\s-]+memory\b"), "oom")]
+# (pattern, a word it cannot match without, replacement)
+_PHRASES = [(re.compile(r"\blow[\s-]+speed\b"), "speed", "slow"),
+            (re.compile(r"\bblows?[\s-]+up\b"), "blow", "diverge"),
+            (re.compile(r"\bout[\s-]+of[\s-]+memory\b"), "memory", "oom")]
 
 
 @functools.lru_cache(maxsize=1 << 16)
