@@ -32,3 +32,26 @@ def test_all_devices_measures_every_gpu_once(run_mleng, torch_cuda):
     assert {r["device"] for r in timed} == devices
     if count > 1:  # one process per GPU; a single GPU is measured in this process
         assert {r["worker"] for r in timed} == set(range(count))
+
+
+def test_all_devices_ctrl_c_keeps_each_gpus_best_shape(mleng_home, torch_cuda):
+    """SIGINT to the parent mid-run: the fan-out stops every GPU's process, each hands back its best shape so
+    far, the record is 'interrupted' and the exit code 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, MLENG_HOME=str(mleng_home))
+    proc = subprocess.Popen([sys.executable, "-m", "mleng", "mamf", "--all-devices", "--max-seconds", "120", "--json",
+                             "--no-store"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    time.sleep(25)  # past the children's start-up (spawn, torch import, CUDA context) into the shape search
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=90)
+    assert proc.returncode == 130, stderr
+    record = json.loads(stdout)
+    assert record["status"] == "interrupted", record["error"]
+    per_device = record["summary"]["per_device"]
+    assert len(per_device) == torch_cuda.cuda.device_count()
+    assert all(d["tflops_median"] and d["tflops_median"] > 0 for d in per_device), per_device
