@@ -158,6 +158,16 @@ def test_lint_parses_mleng_commands_and_source_urls(book):
     assert "not a GitHub thread" in by_file["bad-url"]
 
 
+def test_lint_allows_an_entry_without_signatures(book):
+    """A failure no program prints a line for (a silent slowdown) has `signatures: []`, not a quoted sentence."""
+    write_entry(book, "no-signature", signatures=[])
+    write_entry(book, "not-a-list", signatures="the no-signature failure happened")
+    _, problems = lint(book)
+    assert [Path(p.file).stem for p in problems] == ["not-a-list"], problems
+    entries, _ = load_entries(book)
+    assert [e.signatures for e in entries if e.id == "no-signature"] == [[]]
+
+
 def test_lint_cli_exit_codes_and_lines(book, run_mleng):
     write_entry(book, "good-entry")
     ok = run_mleng("handbook", "lint", env={"MLENG_HANDBOOK_DIR": str(book)})
