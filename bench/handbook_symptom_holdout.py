@@ -25,7 +25,8 @@ from pathlib import Path
 import yaml
 
 from mleng.handbook.index import open_index
-from mleng.handbook.model import default_entries_dir, entry_files, split_front_matter
+from mleng.handbook import default_entries_dir
+from mleng.handbook.model import entry_files, split_front_matter
 from mleng.handbook.search import rank
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from mleng.handbook.model import default_entries_dir, parse_entry  # noqa: E402
+from mleng.handbook import default_entries_dir  # noqa: E402
+from mleng.handbook.model import parse_entry  # noqa: E402
 
 ENTRIES = Path(__file__).resolve().parents[1] / "src" / "mleng" / "handbook" / "entries"
 

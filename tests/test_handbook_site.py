@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from mleng.handbook.index import open_index
-from mleng.handbook.model import default_entries_dir, load_entries
+from mleng.handbook import default_entries_dir
+from mleng.handbook.model import load_entries
 from mleng.handbook.search import search
 from mleng.handbook.site import index_page, search_data
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-from typing import Any
 
 # public name -> "module:attribute"
 PUBLIC: dict[str, str] = {
@@ -45,7 +44,7 @@ CALLABLE_PACKAGES = ("doctor", "preflight", "step")
 SUBPACKAGES = ("specs", "results", "handbook")
 
 
-def _resolve(target: str) -> Any:
+def _resolve(target: str) -> object:
     module, _, attribute = target.partition(":")
     return getattr(importlib.import_module(module), attribute)
 
@@ -53,7 +52,7 @@ def _resolve(target: str) -> Any:
 class CallablePackage(types.ModuleType):
     """A subpackage that is also a function: calling it calls the API function of the same name."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> object:
         return _resolve(PUBLIC[self.__name__.rpartition(".")[2]])(*args, **kwargs)
 
 
@@ -80,7 +79,7 @@ def _package_property(name: str) -> property:
             package = self.__dict__.get(slot) or package
         return _make_callable(package)
 
-    def set_(self: types.ModuleType, value: Any) -> None:
+    def set_(self: types.ModuleType, value: object) -> None:
         # the import system binds a subpackage on its parent after loading it: keep it, made callable
         self.__dict__[slot] = _make_callable(value) if isinstance(value, types.ModuleType) else value
 
@@ -88,7 +87,7 @@ def _package_property(name: str) -> property:
 
 
 class _MlengModule(types.ModuleType):
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         if name in PUBLIC:
             value = _resolve(PUBLIC[name])
             self.__dict__[name] = value

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _lint(args) -> int:
     from mleng.handbook.lint import lint
-    from mleng.handbook.model import default_entries_dir
+    from mleng.handbook import default_entries_dir
 
     directory = default_entries_dir()
     count, problems = lint(directory)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence  # not typing: it costs every command ~10 ms to import
 
 
-def print_json(obj: Any) -> None:
+def print_json(obj: object) -> None:
     json.dump(obj, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
 
 
-def emit(args, value: Any, render: Callable[[Any], str]) -> None:
+def emit(args, value: object, render: Callable[[object], str]) -> None:
     """A command's result on stdout: the value as JSON under --json, else its rendering."""
     if args.json:
         print_json(value)
@@ -21,7 +21,7 @@ def emit(args, value: Any, render: Callable[[Any], str]) -> None:
         print(render(value))
 
 
-def format_cell(value: Any) -> str:
+def format_cell(value: object) -> str:
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -40,7 +40,7 @@ def format_cell(value: Any) -> str:
     return str(value)
 
 
-def table(rows: Iterable[dict[str, Any]], columns: Sequence[str],
+def table(rows: Iterable[dict[str, object]], columns: Sequence[str],
           headers: Sequence[str] | None = None) -> str:
     """An aligned plain-text table; numbers right-aligned, text left-aligned."""
     headers = list(headers or columns)
@@ -58,7 +58,7 @@ def table(rows: Iterable[dict[str, Any]], columns: Sequence[str],
     return "\n".join(out)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 

@@ -6,12 +6,11 @@ import hashlib
 import json
 import os
 import sqlite3
-from dataclasses import dataclass
 from pathlib import Path
 
 from mleng import __version__
 from mleng.handbook import terms as T
-from mleng.handbook.model import default_entries_dir
+from mleng.handbook import default_entries_dir
 from mleng.handbook.stem import stem
 
 # The layout of the cache file; the fingerprint also covers the code that fills it.
@@ -45,19 +44,21 @@ def fingerprint(directory: Path) -> str:
     return digest.hexdigest()
 
 
-@dataclass
 class IndexedEntry:
-    """What ranking reads of every entry on every query; the whole entry (`data`) is read on demand."""
-    rowid: int
-    id: str
-    category: str
-    signatures: list[str]
-    tags: list[str]
-    codes: list[str]      # canonical error codes from error_codes + symptoms
-    shingles: list[str]   # word 3-grams of title and symptoms
-    anchors: list[list[str] | None]  # per signature: literals one of which a match contains, or None
-    index: "Index | None" = None
-    _data: dict | None = None
+    """What ranking reads of every entry on every query; the whole entry (`data`) is read on demand.
+    (A plain class: `mleng ask` starts faster without importing dataclasses.)"""
+    __slots__ = ("rowid", "id", "category", "signatures", "tags", "codes", "shingles", "anchors", "index", "_data")
+
+    def __init__(self, rowid: int, id: str, category: str, signatures: list[str], tags: list[str],
+                 codes: list[str], shingles: list[str], anchors: list[list[str] | None],
+                 index: "Index | None" = None):
+        self.rowid, self.id, self.category = rowid, id, category
+        self.signatures, self.tags = signatures, tags
+        self.codes = codes          # canonical error codes from error_codes + symptoms
+        self.shingles = shingles    # word 3-grams of title and symptoms
+        self.anchors = anchors      # per signature: literals one of which a match contains, or None
+        self.index = index
+        self._data: dict | None = None
 
     @property
     def data(self) -> dict:

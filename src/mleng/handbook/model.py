@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from mleng.handbook import default_entries_dir
 
 REQUIRED_KEYS = ("id", "title", "category", "symptoms", "signatures", "applies_to",
                  "cause", "confirm", "fix", "sources")
@@ -55,14 +56,6 @@ class Entry:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def default_entries_dir() -> Path:
-    """MLENG_HANDBOOK_DIR (tests, local drafts), else the entries shipped in the package."""
-    override = os.environ.get("MLENG_HANDBOOK_DIR")
-    if override:
-        return Path(override).expanduser()
-    return Path(__file__).resolve().parent / "entries"
 
 
 def entry_files(directory: Path) -> list[Path]:

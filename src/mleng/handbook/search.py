@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from mleng.handbook import terms as T
@@ -71,14 +70,13 @@ _ASIDE_RE = re.compile(r"\b(?:earlier|previously|yesterday|last (?:week|month|ti
                        r"|a while ago|before that|at first|originally|unrelated)\b", re.I)
 
 
-@dataclass
 class QueryTerms:
     """The query's search terms as the index stores them (porter stems), each with its weight, the word
     it came from, and in how many entries it occurs (0: a word the handbook never uses)."""
-    weight: dict[str, float]
-    word: dict[str, str]
-    df: dict[str, int]
-    entries: int
+    __slots__ = ("weight", "word", "df", "entries")
+
+    def __init__(self, weight: dict[str, float], word: dict[str, str], df: dict[str, int], entries: int):
+        self.weight, self.word, self.df, self.entries = weight, word, df, entries
 
     def idf(self, stem: str) -> float:
         n = self.df.get(stem, 0)
@@ -147,18 +145,22 @@ def _signature_score(entry, lines: list[str], lowered: str, hits: list[str] | No
 STRONG_COLUMNS = frozenset(FTS_COLUMNS.index(c) for c in ("title", "symptoms", "signatures", "codes", "tags", "seen"))
 
 
-@dataclass
 class Match:
-    """Why an entry matched: what `mleng ask --json` reports as `matched`, and what confidence reads."""
-    signatures: list[str]
-    codes: list[str]
-    terms: list[str]          # query words found in the entry's title, symptoms, signatures, codes or tags
-    other_terms: list[str]    # query words found only in its explanation, confirm or fix text
-    phrases: int              # word 3-grams shared with the entry's title and symptoms
-    coverage: float           # share of the query's term weight (IDF x line weight) found in strong columns
-    strong_idf: float         # the IDF mass of those strong-column matches
-    domain: list[str]         # words of the query that belong to the handbook's world (T.DOMAIN_WORDS)
-    general: bool = False     # a diagnosis entry (tag 'general') answering a short, vague query
+    """Why an entry matched: what `mleng ask --json` reports as `matched`, and what confidence reads.
+    (A plain class, like QueryTerms: `mleng ask` starts faster without importing dataclasses.)"""
+    __slots__ = ("signatures", "codes", "terms", "other_terms", "phrases", "coverage", "strong_idf", "domain",
+                 "general")
+
+    def __init__(self, signatures: list[str], codes: list[str], terms: list[str], other_terms: list[str],
+                 phrases: int, coverage: float, strong_idf: float, domain: list[str], general: bool = False):
+        self.signatures, self.codes = signatures, codes
+        self.terms = terms              # query words found in the entry's title, symptoms, signatures, codes or tags
+        self.other_terms = other_terms  # query words found only in its explanation, confirm or fix text
+        self.phrases = phrases          # word 3-grams shared with the entry's title and symptoms
+        self.coverage = coverage        # share of the query's term weight (IDF x line weight) in strong columns
+        self.strong_idf = strong_idf    # the IDF mass of those strong-column matches
+        self.domain = domain            # words of the query from the handbook's world (T.DOMAIN_WORDS)
+        self.general = general          # a diagnosis entry (tag 'general') answering a short, vague query
 
     def to_dict(self) -> dict:
         return {"signatures": self.signatures, "codes": self.codes, "terms": self.terms,

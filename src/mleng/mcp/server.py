@@ -55,7 +55,7 @@ class IndexCache:
 
     def get(self):
         from mleng.handbook.index import fingerprint, open_index
-        from mleng.handbook.model import default_entries_dir
+        from mleng.handbook import default_entries_dir
 
         directory = default_entries_dir()
         key = (str(directory), fingerprint(directory))
