@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sqlite3
@@ -14,7 +13,7 @@ from mleng.handbook import default_entries_dir
 from mleng.handbook.stem import stem
 
 # The layout of the cache file; the fingerprint also covers the code that fills it.
-INDEX_SCHEMA = 5
+INDEX_SCHEMA = 6
 INDEX_FILENAME = "handbook-index.sqlite"
 FTS_COLUMNS = ("title", "symptoms", "signatures", "codes", "tags", "cause", "confirm", "fix", "seen", "body")
 
@@ -29,34 +28,33 @@ def default_index_path() -> Path:
 
 def fingerprint(directory: Path) -> str:
     """Changes whenever an entry file is added, removed or modified, or mleng itself changes
-    (its version, or the code that decides what goes into the index)."""
-    digest = hashlib.sha256(f"{__version__}|{INDEX_SCHEMA}|{directory.resolve()}".encode())
+    (its version, or the code that decides what goes into the index). The text itself, not a digest of it:
+    comparing some 40 kB costs nothing, and `mleng ask` need not load OpenSSL for hashlib."""
+    parts = [f"{__version__}|{INDEX_SCHEMA}|{directory.resolve()}"]
     here = Path(__file__).resolve().parent
     for path in (here / "index.py", here / "terms.py", here / "model.py", here / "stem.py"):
         stat = path.stat()
-        digest.update(f"|{path.name}:{stat.st_mtime_ns}:{stat.st_size}".encode())
+        parts.append(f"{path.name}:{stat.st_mtime_ns}:{stat.st_size}")
     try:
         listing = sorted((e.name, e.stat()) for e in os.scandir(directory) if e.name.endswith(".md"))
     except OSError:
         listing = []
-    for name, stat in listing:
-        digest.update(f"|{name}:{stat.st_mtime_ns}:{stat.st_size}".encode())
-    return digest.hexdigest()
+    parts.extend(f"{name}:{stat.st_mtime_ns}:{stat.st_size}" for name, stat in listing)
+    return "|".join(parts)
 
 
 class IndexedEntry:
     """What ranking reads of every entry on every query; the whole entry (`data`) is read on demand.
     (A plain class: `mleng ask` starts faster without importing dataclasses.)"""
-    __slots__ = ("rowid", "id", "category", "signatures", "tags", "codes", "shingles", "anchors", "index", "_data")
+    __slots__ = ("rowid", "id", "category", "signatures", "tags", "codes", "anchors", "length", "index", "_data")
 
     def __init__(self, rowid: int, id: str, category: str, signatures: list[str], tags: list[str],
-                 codes: list[str], shingles: list[str], anchors: list[list[str] | None],
-                 index: "Index | None" = None):
+                 codes: list[str], anchors: list[list[str] | None], length: int, index: "Index | None" = None):
         self.rowid, self.id, self.category = rowid, id, category
         self.signatures, self.tags = signatures, tags
         self.codes = codes          # canonical error codes from error_codes + symptoms
-        self.shingles = shingles    # word 3-grams of title and symptoms
         self.anchors = anchors      # per signature: literals one of which a match contains, or None
+        self.length = length        # tokens in all columns, for BM25's length normalisation
         self.index = index
         self._data: dict | None = None
 
@@ -83,8 +81,7 @@ class Index:
             {"file": f, "field": fld, "message": m}
             for f, fld, m in conn.execute("SELECT file, field, message FROM skipped ORDER BY file")
         ]
-        # Row lengths in tokens (all columns), for BM25's length normalisation.
-        self.lengths: dict[int, int] = dict(conn.execute("SELECT rowid, length FROM entries"))
+        self.lengths: dict[int, int] = {e.rowid: e.length for e in self.entries}
         self.average_length = sum(self.lengths.values()) / max(1, len(self.lengths))
 
     def close(self) -> None:
@@ -95,8 +92,9 @@ def _create_schema(conn: sqlite3.Connection) -> None:
     conn.executescript(f"""
         CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
         CREATE TABLE entries (rowid INTEGER PRIMARY KEY, id TEXT UNIQUE NOT NULL, data TEXT NOT NULL,
-                              codes TEXT NOT NULL, shingles TEXT NOT NULL, anchors TEXT NOT NULL,
-                              length INTEGER NOT NULL);
+                              codes TEXT NOT NULL, anchors TEXT NOT NULL, length INTEGER NOT NULL);
+        -- word 3-grams of each entry's title and symptoms (a near-verbatim paste shares several)
+        CREATE TABLE shingles (shingle TEXT NOT NULL, rowid INTEGER NOT NULL);
         -- term frequency of each (Porter-stemmed, stem.py) term per entry and column, for our own BM25
         CREATE TABLE postings (term TEXT NOT NULL, rowid INTEGER NOT NULL, col INTEGER NOT NULL, tf INTEGER NOT NULL);
         CREATE TABLE skipped (file TEXT NOT NULL, field TEXT NOT NULL, message TEXT NOT NULL);
@@ -146,22 +144,24 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> 
     _create_schema(conn)
     summary = []
     postings: list[tuple[str, int, int, int]] = []
+    shingles: list[tuple[str, int]] = []
     for rowid, entry in enumerate(entries, start=1):
         data = entry.to_dict()
         columns = entry_columns(data)
         shingle_set = T.shingles(columns[FTS_COLUMNS.index("title")])
         for symptom in entry.symptoms:
             shingle_set |= T.shingles(T.terms(symptom))
-        codes, shingles = sorted(entry_codes(data)), sorted(shingle_set)
+        codes, length = sorted(entry_codes(data)), sum(len(words) for words in columns)
         anchors = [T.regex_anchor(s) for s in entry.signatures]
-        conn.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)", (
-            rowid, entry.id, json.dumps(data), json.dumps(codes), json.dumps(shingles), json.dumps(anchors),
-            sum(len(words) for words in columns),
-        ))
+        conn.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", (
+            rowid, entry.id, json.dumps(data), json.dumps(codes), json.dumps(anchors), length))
         postings.extend((term, rowid, col, tf) for term, col, tf in entry_postings(columns))
-        summary.append([rowid, entry.id, entry.category, entry.signatures, entry.tags, codes, shingles, anchors])
+        shingles.extend((shingle, rowid) for shingle in sorted(shingle_set))
+        summary.append([rowid, entry.id, entry.category, entry.signatures, entry.tags, codes, anchors, length])
     conn.executemany("INSERT INTO postings VALUES (?, ?, ?, ?)", postings)
     conn.execute("CREATE INDEX postings_term ON postings (term)")
+    conn.executemany("INSERT INTO shingles VALUES (?, ?)", shingles)
+    conn.execute("CREATE INDEX shingles_shingle ON shingles (shingle)")
     conn.execute("INSERT INTO meta VALUES ('summary', ?)", (json.dumps(summary),))
     conn.executemany("INSERT INTO skipped VALUES (?, ?, ?)", [(e.file, e.field, e.message) for e in skipped])
     conn.execute("INSERT INTO meta VALUES ('fingerprint', ?)", (print_fingerprint,))

@@ -118,6 +118,18 @@ def _bm25_scores(index: Index, weighted: dict[str, float],
     return scores, query
 
 
+def _shared_shingles(index: Index, query_shingles: set[str]) -> dict[int, int]:
+    """rowid -> how many of the query's word 3-grams the entry's title and symptoms contain."""
+    shared: dict[int, int] = {}
+    chunk = sorted(query_shingles)
+    for start in range(0, len(chunk), 500):  # SQLite's limit on bound parameters
+        part = chunk[start:start + 500]
+        for (rowid,) in index.conn.execute(
+                f"SELECT rowid FROM shingles WHERE shingle IN ({','.join('?' * len(part))})", part):
+            shared[rowid] = shared.get(rowid, 0) + 1
+    return shared
+
+
 def _signature_score(entry, lines: list[str], lowered: str, hits: list[str] | None = None) -> float:
     """Signature matches, each weighted by how much of the matched text the regex fixed literally:
     'failed \\(exitcode: -9\\)' matched verbatim says more than a pattern full of wildcards."""
@@ -196,7 +208,7 @@ def search(index: Index, query: str, limit: int = 5) -> dict:
     lines = [line for line in query.splitlines() if line.strip()] or [query]
     lowered = query.lower()
     query_codes = T.error_codes(query)
-    query_shingles = T.shingles(words)
+    shared_shingles = _shared_shingles(index, T.shingles(words))
     short = len(terms.weight) <= SHORT_QUERY_TERMS
     domain = sorted(T.domain_words(words))
     word_set = set(words)
@@ -213,7 +225,7 @@ def search(index: Index, query: str, limit: int = 5) -> dict:
         signature_score = _signature_score(entry, lines, lowered, signature_hits)
         shared_codes = sorted(query_codes.intersection(entry.codes))
         code_score = sum(T.code_weight(c) / math.sqrt(code_df[c]) for c in shared_codes)
-        shared_phrases = len(query_shingles.intersection(entry.shingles))
+        shared_phrases = shared_shingles.get(entry.rowid, 0)
         phrase_score = PHRASE_WEIGHT * min(shared_phrases, PHRASE_SATURATION) / PHRASE_SATURATION
         # A short, vague query ("training hangs at step 3000") is best answered by the entry on how
         # to diagnose that kind of problem, not by whichever narrow cause shares the most words.
