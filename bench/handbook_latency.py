@@ -1,5 +1,10 @@
 """`mleng ask` latency: whole process (start-up, index open, ranking, output), median of N runs with a warm
-index cache, and the time to rebuild the index from the entries. Prints a table; writes JSON."""
+index cache, and the time to rebuild the index from the entries. Prints a table; writes JSON.
+
+    python bench/handbook_latency.py                        # the installed `mleng`
+    python bench/handbook_latency.py --compare f8373a7      # also older commits' code, side by side, runs
+                                                            # interleaved, all on this tree's entries
+"""
 
 from __future__ import annotations
 
@@ -30,8 +35,11 @@ def _run(argv: list[str], env: dict) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "handbook_ask_latency.json"))
+    parser.add_argument("--out", default=parser_default())
+    parser.add_argument("--compare", nargs="+", metavar="REV", help="git revisions whose code to time beside this tree's")
     args = parser.parse_args()
+    if args.compare:
+        return compare(args)
     mleng = shutil.which("mleng") or str(Path(sys.executable).with_name("mleng"))
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, MLENG_HOME=tmp)
@@ -58,6 +66,53 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
+
+
+def compare(args: argparse.Namespace) -> int:
+    """`python -m mleng ask` and the rebuild for each revision's src/ (git archive) and this tree's, on the same
+    entries (MLENG_HANDBOOK_DIR), runs interleaved so a change of machine load hits every variant alike."""
+    entries = ROOT / "src" / "mleng" / "handbook" / "entries"
+    with tempfile.TemporaryDirectory() as tmp:
+        sources = {}
+        for rev in args.compare:
+            target = Path(tmp, rev)
+            target.mkdir()
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src"], capture_output=True, check=True)
+            subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+            sources[rev] = target / "src"
+        sources["this tree"] = ROOT / "src"
+        envs = {name: dict(os.environ, PYTHONPATH=str(src), MLENG_HANDBOOK_DIR=str(entries),
+                           MLENG_HOME=str(Path(tmp, f"home-{i}"))) for i, (name, src) in enumerate(sources.items())}
+        command = [sys.executable, "-m", "mleng", "ask"]
+        rebuilds: dict[str, list[float]] = {name: [] for name in envs}
+        for _ in range(3):
+            for name, env in envs.items():
+                Path(env["MLENG_HOME"], "handbook-index.sqlite").unlink(missing_ok=True)
+                rebuilds[name].append(_run(command + ["x"], env))
+        times = {name: {q: [] for q in QUERIES} for name in envs}
+        for _ in range(args.runs):
+            for query in QUERIES:
+                for name, env in envs.items():
+                    times[name][query].append(_run(command + [query], env))
+    result = {"command": " ".join(["python", "bench/handbook_latency.py", *sys.argv[1:]]),
+              "entries": len(list(entries.glob("*.md"))), "runs": args.runs,
+              "load_avg_1m": round(os.getloadavg()[0], 2), "variants": {}}
+    print(f"python -m mleng ask, whole process, {result['entries']} entries, median of {args.runs} interleaved runs"
+          f" (load {result['load_avg_1m']})")
+    for name in envs:
+        medians = {q: round(sorted(v)[len(v) // 2], 4) for q, v in times[name].items()}
+        rebuild = round(sorted(rebuilds[name])[1], 3)
+        result["variants"][name] = {"ask_median_s": medians, "rebuild_whole_process_s": rebuild}
+        print(f"  {name:<12} " + "  ".join(f"{m * 1000:5.0f} ms" for m in medians.values())
+              + f"   rebuild {rebuild:.2f} s")
+    out = Path(args.out).with_name("handbook_ask_latency_compare.json") if args.out == parser_default() else Path(args.out)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def parser_default() -> str:
+    return str(ROOT / "docs" / "results" / "handbook_ask_latency.json")
 
 
 if __name__ == "__main__":
