@@ -444,7 +444,7 @@ def search_data(entries: list[dict]) -> dict:
               "near_verbatim_coverage": S.NEAR_VERBATIM_COVERAGE, "near_verbatim_phrases": S.NEAR_VERBATIM_PHRASES,
               "strong_columns": sorted(S.STRONG_COLUMNS)}
     codes = []
-    for pattern, template in T._CODE_PATTERNS:
+    for pattern, template, _ in T._CODE_PATTERNS:
         source, flags = js_regex(pattern.pattern)
         codes.append([source, flags + ("i" if pattern.flags & re.I else ""), template])
     query = {"stopwords": sorted(T.STOPWORDS), "gpu_model_numbers": sorted(T.GPU_MODEL_NUMBERS), "canonical": sorted(T._CANONICAL.items()),

@@ -171,26 +171,27 @@ def shingles(words: list[str], size: int = 3) -> set[str]:
 # --- error codes -------------------------------------------------------------------------------
 # Each pattern maps a concrete mention to a canonical code string; entries and queries go through
 # the same extraction, so "Xid (PCI:0000:3b:00): 79" in a log meets "Xid 79" in an entry.
-_CODE_PATTERNS: list[tuple[re.Pattern, str]] = [
-    (re.compile(r"\bxid\s*(?:\([^)]{0,40}\))?\s*[:=]?\s*(\d{1,3})\b", re.I), "xid {0}"),
-    (re.compile(r"\bcuda(?:\s+runtime)?\s+error\s*(?:code\s*)?[:=(]?\s*(\d{1,4})\b", re.I), "cuda error {0}"),
-    (re.compile(r"\bnccl\s+error\s*(?:code\s*)?[:=(]?\s*(\d{1,3})\b", re.I), "nccl error {0}"),
-    (re.compile(r"\berror\s*(?:code\s*)?[:=(]?\s*(\d{1,4})\b", re.I), "error {0}"),
-    (re.compile(r"\bvendor\s+err(?:or)?\s*[:=]?\s*(\d{1,4})\b", re.I), "vendor err {0}"),
-    (re.compile(r"(?<!exit )\bstatus\s*[:=]?\s*(\d{1,3})\b", re.I), "status {0}"),
-    (re.compile(r"\berrno\s*[:=]?\s*(\d{1,3})\b|\[errno\s+(\d{1,3})\]", re.I), "errno {0}"),
-    (re.compile(r"\bos\s+error\s+(\d{1,3})\b", re.I), "errno {0}"),
-    (re.compile(r"\bsig(kill|term|segv|abrt|bus|fpe|ill|int|hup|usr1|usr2|pipe|xcpu|cont|stop)\b", re.I), "sig{0}"),
-    (re.compile(r"\b(?:code|status)\s*[:=]?\s*(1[2-5]\d)\b", re.I), "exit {0}"),
-    (re.compile(r"\bexit\s*code\s*[:=]?\s*(-?\d{1,3})\b|\bexitcode\s*[:=]?\s*(-?\d{1,3})\b", re.I), "exitcode {0}"),
-    (re.compile(r"\bsignal\s*[:=]?\s*(\d{1,2})\b", re.I), "signal {0}"),
-    (re.compile(r"\b([A-Za-z_][\w-]*\.(?:cc|cpp|cu|cuh|c|h|hpp)):(\d{1,5})\b"), "source {0}:{1}"),
-    (re.compile(r"\b([A-Za-z_][\w-]*\.(?:cc|cpp|cu|cuh|c|h|hpp))\b"), "source {0}"),
+# (pattern, code template, words the pattern cannot match without in the lowercased text: a text with none
+# of them skips the pattern, which makes reading entries faster)
+_CODE_PATTERNS: list[tuple[re.Pattern, str, tuple[str, ...]]] = [
+    (re.compile(r"\bxid\s*(?:\([^)]{0,40}\))?\s*[:=]?\s*(\d{1,3})\b", re.I), "xid {0}", ("xid",)),
+    (re.compile(r"\bcuda(?:\s+runtime)?\s+error\s*(?:code\s*)?[:=(]?\s*(\d{1,4})\b", re.I),
+     "cuda error {0}", ("cuda",)),
+    (re.compile(r"\bnccl\s+error\s*(?:code\s*)?[:=(]?\s*(\d{1,3})\b", re.I), "nccl error {0}", ("nccl",)),
+    (re.compile(r"\berror\s*(?:code\s*)?[:=(]?\s*(\d{1,4})\b", re.I), "error {0}", ("error",)),
+    (re.compile(r"\bvendor\s+err(?:or)?\s*[:=]?\s*(\d{1,4})\b", re.I), "vendor err {0}", ("vendor",)),
+    (re.compile(r"(?<!exit )\bstatus\s*[:=]?\s*(\d{1,3})\b", re.I), "status {0}", ("status",)),
+    (re.compile(r"\berrno\s*[:=]?\s*(\d{1,3})\b|\[errno\s+(\d{1,3})\]", re.I), "errno {0}", ("errno",)),
+    (re.compile(r"\bos\s+error\s+(\d{1,3})\b", re.I), "errno {0}", ("error",)),
+    (re.compile(r"\bsig(kill|term|segv|abrt|bus|fpe|ill|int|hup|usr1|usr2|pipe|xcpu|cont|stop)\b", re.I),
+     "sig{0}", ("sig",)),
+    (re.compile(r"\b(?:code|status)\s*[:=]?\s*(1[2-5]\d)\b", re.I), "exit {0}", ("code", "status")),
+    (re.compile(r"\bexit\s*code\s*[:=]?\s*(-?\d{1,3})\b|\bexitcode\s*[:=]?\s*(-?\d{1,3})\b", re.I),
+     "exitcode {0}", ("exit",)),
+    (re.compile(r"\bsignal\s*[:=]?\s*(\d{1,2})\b", re.I), "signal {0}", ("signal",)),
+    (re.compile(r"\b([A-Za-z_][\w-]*\.(?:cc|cpp|cu|cuh|c|h|hpp)):(\d{1,5})\b"), "source {0}:{1}", (".c", ".h")),
+    (re.compile(r"\b([A-Za-z_][\w-]*\.(?:cc|cpp|cu|cuh|c|h|hpp))\b"), "source {0}", (".c", ".h")),
 ]
-# Words each pattern above cannot match without (in the lowercased text), in the same order: a text
-# with none of them skips the pattern, which makes the index rebuild read entries faster.
-_CODE_GATES = (("xid",), ("cuda",), ("nccl",), ("error",), ("vendor",), ("status",), ("errno",), ("error",),
-               ("sig",), ("code", "status"), ("exit",), ("signal",), (".c", ".h"), (".c", ".h"))
 _SIGNAL_NAMES = {s.value: s.name.lower() for s in _signal.Signals}
 
 
@@ -240,7 +241,7 @@ def error_codes(text: str) -> set[str]:
     """Canonical error codes mentioned in the text: 'xid 79', 'errno 28', 'sigkill', 'source socket.cc:538'."""
     codes: set[str] = set()
     lowered = text.lower()
-    for (pattern, template), gates in zip(_CODE_PATTERNS, _CODE_GATES):
+    for pattern, template, gates in _CODE_PATTERNS:
         if not any(gate in lowered for gate in gates):
             continue
         for match in pattern.finditer(text):
