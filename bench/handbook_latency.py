@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
 QUERIES = (
     "RuntimeError: CUDA error: an illegal memory access was encountered",
     "NCCL WARN NET/IB : Got completion from peer 10.0.0.2<52134> with error 12, opcode 0, len 0, vendor err 129",
@@ -35,7 +36,8 @@ def _run(argv: list[str], env: dict) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--out", default=parser_default())
+    parser.add_argument("--out", default=None, help="JSON output (default docs/results/handbook_ask_latency.json, "
+                        "with --compare handbook_ask_latency_compare.json)")
     parser.add_argument("--compare", nargs="+", metavar="REV", help="git revisions whose code to time beside this tree's")
     args = parser.parse_args()
     if args.compare:
@@ -63,8 +65,9 @@ def main() -> int:
     for query, row in per_query.items():
         print(f"  {row['median_s'] * 1000:6.0f} ms  (min {row['min_s'] * 1000:.0f}, max {row['max_s'] * 1000:.0f})  {query[:60]}")
     print(f"index rebuild: {result['rebuild_s']:.2f} s (whole process {result['rebuild_whole_process_s']:.2f} s)")
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    out = Path(args.out or RESULTS / "handbook_ask_latency.json")
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
     return 0
 
 
@@ -77,7 +80,10 @@ def compare(args: argparse.Namespace) -> int:
         for rev in args.compare:
             target = Path(tmp, rev)
             target.mkdir()
-            archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src"], capture_output=True, check=True)
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src"], capture_output=True)
+            if archive.returncode != 0:
+                raise SystemExit(f"--compare {rev}: not a revision git can export here "
+                                 f"({archive.stderr.decode().strip().splitlines()[-1]})")
             subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
             sources[rev] = target / "src"
         sources["this tree"] = ROOT / "src"
@@ -105,14 +111,10 @@ def compare(args: argparse.Namespace) -> int:
         result["variants"][name] = {"ask_median_s": medians, "rebuild_whole_process_s": rebuild}
         print(f"  {name:<12} " + "  ".join(f"{m * 1000:5.0f} ms" for m in medians.values())
               + f"   rebuild {rebuild:.2f} s")
-    out = Path(args.out).with_name("handbook_ask_latency_compare.json") if args.out == parser_default() else Path(args.out)
+    out = Path(args.out or RESULTS / "handbook_ask_latency_compare.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
-
-
-def parser_default() -> str:
-    return str(ROOT / "docs" / "results" / "handbook_ask_latency.json")
 
 
 if __name__ == "__main__":
