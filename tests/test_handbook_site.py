@@ -20,7 +20,8 @@ from mleng.handbook.site import index_page, search_data
 ENTRIES = default_entries_dir()
 TESTS = Path(__file__).parent
 # Every labelled query of the dev sets (never the frozen ones).
-QUERY_SETS = ("handbook_devset.yaml", "handbook_devset2.yaml", "handbook_devset3.yaml", "handbook_oos_dev.yaml")
+QUERY_SETS = ("handbook_devset.yaml", "handbook_devset2.yaml", "handbook_devset3.yaml", "handbook_devset6.yaml",
+              "handbook_oos_dev.yaml")
 
 
 def _queries() -> list[str]:
@@ -28,7 +29,7 @@ def _queries() -> list[str]:
     for name in QUERY_SETS:
         for case in yaml.safe_load((TESTS / name).read_text()) or []:
             queries.append(case["query"])
-    return queries + ["Xid 79", "training hangs", "", "hello"]
+    return queries + ["Xid 79", "training hangs", "", "hello", "多卡训练时卡住，NCCL 超时", "微调时显存不足"]
 
 
 def _chromium(*args: str, timeout: int = 60) -> subprocess.CompletedProcess:

@@ -66,7 +66,7 @@ SCRIPT = r"""
   var C = D.config, Q = D.query;
   var GPUNUM = new Set(Q.gpu_model_numbers);
   var STOP = new Set(Q.stopwords), CANON = new Map(Q.canonical), DOMAIN = new Set(Q.domain);
-  var BRIT = new RegExp(Q.british), PHRASES = Q.phrases.map(function (p) { return [new RegExp(p[0], 'g'), p[1]]; });
+  var BRIT = new RegExp(Q.british), PHRASES = Q.phrases.map(function (p) { return [new RegExp(p[0], 'g'), p[1]]; }), CJK = new RegExp(Q.cjk, 'g');
   var TOKEN = /[\p{L}\p{N}\p{M}]+/gu, HEX = new RegExp('^(?:' + Q.hex + ')$'), LD = new RegExp('^(?:' + Q.letters_digits + ')$');
   var SYSPATH = new RegExp(Q.system_path, 'g'), PATH = new RegExp(Q.path, 'g');
   var FRAME = new RegExp(Q.frame), CARET = new RegExp(Q.caret), CLAUSE = new RegExp(Q.clause, 'i'), ASIDE = new RegExp(Q.aside, 'i');
@@ -137,6 +137,10 @@ SCRIPT = r"""
   }
   function terms(text) {
     text = text.toLowerCase().replace(SYSPATH, function (m) { return m.split('/').join(' ') + ' ' + m.split('/').slice(1, 3).join(''); }).replace(PATH, ' ');
+    if (/[^\x00-\x7f]/.test(text)) {
+      Q.chinese.forEach(function (p) { text = text.split(p[0]).join(' ' + p[1] + ' '); });
+      text = text.replace(CJK, ' ');
+    }
     PHRASES.forEach(function (p) { text = text.replace(p[0], p[1]); });
     var out = []; (text.match(TOKEN) || []).forEach(function (t) { tokenTerms(t).forEach(function (x) { out.push(x); }); });
     return out;
@@ -262,7 +266,7 @@ SCRIPT = r"""
     if (m.signatures.length && (m.domain.length || (m.coverage >= C.near_verbatim_coverage && m.phrases >= C.near_verbatim_phrases))) return true;
     if (!m.domain.length) return false;
     if (m.general && m.coverage >= C.near_verbatim_coverage) return true;
-    return m.coverage >= C.min_coverage && m.strong_idf >= C.min_strong_idf;
+    return (m.coverage >= C.min_coverage && m.strong_idf >= C.min_strong_idf) || m.phrases >= C.min_shared_phrases;
   }
   window.mlengSearch = search;
   var box = document.getElementById('q'), list = document.getElementById('results'), hint = document.getElementById('hint');
@@ -441,6 +445,7 @@ def search_data(entries: list[dict]) -> dict:
               "short_query_terms": S.SHORT_QUERY_TERMS, "other_framework_factor": S.OTHER_FRAMEWORK_FACTOR,
               "general_weight": S.GENERAL_WEIGHT, "specific_codes": list(S.SPECIFIC_CODE_KINDS),
               "min_coverage": S.MIN_COVERAGE, "min_strong_idf": S.MIN_STRONG_IDF,
+              "min_shared_phrases": S.MIN_SHARED_PHRASES,
               "near_verbatim_coverage": S.NEAR_VERBATIM_COVERAGE, "near_verbatim_phrases": S.NEAR_VERBATIM_PHRASES,
               "strong_columns": sorted(S.STRONG_COLUMNS)}
     codes = []
@@ -448,7 +453,8 @@ def search_data(entries: list[dict]) -> dict:
         source, flags = js_regex(pattern.pattern)
         codes.append([source, flags + ("i" if pattern.flags & re.I else ""), template])
     query = {"stopwords": sorted(T.STOPWORDS), "gpu_model_numbers": sorted(T.GPU_MODEL_NUMBERS), "canonical": sorted(T._CANONICAL.items()),
-             "british": T._BRITISH_RE.pattern, "phrases": [[p.pattern, r] for p, _, r in T._PHRASES],
+             "british": T._BRITISH_RE.pattern, "phrases": [[p.pattern, r] for p, _, r in T._PHRASES], "cjk": T._CJK_RE.pattern,
+             "chinese": [list(pair) for pair in T.CHINESE_WORDS],
              "hex": T._HEX_RE.pattern, "letters_digits": T._LETTERS_DIGITS_RE.pattern,
              "system_path": T._SYSTEM_PATH_RE.pattern, "path": T._PATH_RE.pattern,
              "frame": S._FRAME_RE.pattern, "caret": S._CARET_RE.pattern, "clause": S._CLAUSE_RE.pattern,

@@ -64,6 +64,11 @@ def terms(text: str) -> list[str]:
     text = text.lower()
     if "/" in text or "\\" in text:
         text = _PATH_RE.sub(" ", _SYSTEM_PATH_RE.sub(_system_path, text))
+    if not text.isascii():
+        for word, english in CHINESE_WORDS:
+            if word in text:
+                text = text.replace(word, f" {english} ")
+        text = _CJK_RE.sub(" ", text)
     for pattern, needed, replacement in _PHRASES:
         if needed in text:
             text = pattern.sub(replacement, text)
@@ -98,6 +103,30 @@ _BRITISH_RE = re.compile(r"^(initial|optim|serial|deserial|normal|util|synchron|
 _PHRASES = [(re.compile(r"\blow[\s-]+speed\b"), "speed", "slow"),
             (re.compile(r"\bblows?[\s-]+up\b"), "blow", "diverge"),
             (re.compile(r"\bout[\s-]+of[\s-]+memory\b"), "memory", "oom")]
+
+# Chinese words common in the issue threads of LLM training projects, and the English words the entries
+# use for them: "多卡报错" (multi-GPU error) and "显存不足" (out of GPU memory) would otherwise be one unknown
+# token. Longer words come first, so "显存不足" is read before "显存".
+CHINESE_WORDS = (
+    ("显存不足", "cuda out of memory"), ("显存溢出", "cuda out of memory"), ("内存不足", "host out of memory"),
+    ("断点续训", "resume from checkpoint"), ("恢复训练", "resume training"), ("梯度检查点", "gradient checkpointing"),
+    ("混合精度", "mixed precision"), ("半精度", "half precision fp16"), ("共享内存", "shared memory shm"),
+    ("段错误", "segmentation fault"), ("环境变量", "environment variable"), ("数据加载", "data loading dataloader"),
+    ("不收敛", "not converge"), ("利用率", "utilization"), ("找不到", "not found"),
+    ("显存", "gpu memory"), ("显卡", "gpu"), ("内存", "host memory"), ("多卡", "multi gpu"),
+    ("单卡", "single gpu"), ("多机", "multi node"), ("单机", "single node"), ("节点", "node"),
+    ("集群", "cluster"), ("分布式", "distributed"), ("训练", "training"), ("微调", "fine tuning"),
+    ("推理", "inference"), ("评估", "evaluation"), ("验证", "validation"), ("报错", "error"),
+    ("错误", "error"), ("失败", "failed"), ("超时", "timeout"), ("卡住", "stuck"), ("卡死", "hang"),
+    ("死锁", "deadlock"), ("很慢", "slow"), ("变慢", "slow"), ("保存", "save"), ("加载", "load"),
+    ("检查点", "checkpoint"), ("梯度", "gradient"), ("损失", "loss"), ("进程", "process"),
+    ("编译", "compile"), ("通信", "communication"), ("驱动", "driver"), ("版本", "version"),
+    ("安装", "install"), ("容器", "container"), ("网卡", "network interface"), ("权重", "weights"),
+    ("数据集", "dataset"), ("溢出", "overflow"), ("被杀", "killed"),
+)
+# What is left of Chinese or Japanese text says nothing to an English handbook (and would glue itself
+# to the English words around it: "有些token会输出nan"): it is dropped.
+_CJK_RE = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef\u3000-\u303f]+")
 
 
 @functools.lru_cache(maxsize=1 << 16)
