@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from mleng.handbook.index import open_index
-from mleng.handbook.search import search
+from mleng.handbook.search import SPECIFIC_CODE_KINDS, search
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -77,8 +77,19 @@ def measure_labelled(index, cases: list[dict]) -> dict:
         got = [r["id"] for r in answer["results"]]
         position = next((i + 1 for i, rid in enumerate(got) if rid in accepted), None)
         rows.append({"query": case["query"], "expected": expected, "got": got, "position": position,
-                     "confident": answer["confident"], "source": case.get("source"), "area": case.get("area")})
+                     "confident": answer["confident"], "evidence": evidence(answer),
+                     "source": case.get("source"), "area": case.get("area")})
     return rows
+
+
+def evidence(answer: dict) -> str | None:
+    """What a confident first answer rests on: a log signature or a specific error code, or words alone."""
+    if not answer["confident"]:
+        return None
+    matched = answer["results"][0]["matched"]
+    specific = any(c.startswith(SPECIFIC_CODE_KINDS) or (c.startswith("source ") and ":" in c)
+                   for c in matched["codes"])
+    return "signature or code" if matched["signatures"] or specific else "words"
 
 
 def summary(rows: list[dict]) -> dict:
@@ -89,7 +100,12 @@ def summary(rows: list[dict]) -> dict:
             "hit_at_3": round(len(hits) / n, 3),
             "confident_among_hits": round(sum(r["confident"] for r in hits) / (len(hits) or 1), 3),
             "confident_overall": round(sum(r["confident"] for r in rows) / n, 3),
-            "no_entry_labelled": len(unanswerable)}
+            "no_entry_labelled": len(unanswerable),
+            "confident_by_evidence": {
+                kind: {"answers": len(group), "right_in_top3": round(sum(bool(r["position"]) for r in group)
+                                                                   / (len(group) or 1), 3)}
+                for kind in ("signature or code", "words")
+                for group in [[r for r in rows if r["evidence"] == kind]]}}
 
 
 def main() -> int:
@@ -135,6 +151,10 @@ def main() -> int:
             s = result[key]
             print(f"{name:<34} {subset:<12} {s['queries']:>7} {s['hit_at_1']:>6.3f} {s['hit_at_3']:>6.3f} "
                   f"{s['confident_among_hits']:>8.3f}")
+    pooled = summary([row for result in report["sets"].values() for row in result["rows"]])["confident_by_evidence"]
+    report["confident_by_evidence_pooled"] = pooled
+    print("confident first answers, all labelled sets pooled: " + "; ".join(
+        f"{kind}: {v['answers']}, right entry in the top 3 for {v['right_in_top3']:.3f}" for kind, v in pooled.items()))
     for name, result in report["oos"].items():
         print(f"{name:<34} {'out of scope':<12} {result['queries']:>7}   confident {result['confident_rate']:.3f}")
     for name, digest in digests.items():
