@@ -257,13 +257,15 @@ GENERAL_WEIGHT = 0.35
 # Codes specific enough that sharing one names the problem (an Xid, a CUDA or NCCL error number).
 SPECIFIC_CODE_KINDS = ("xid ", "cuda error ", "nccl error ", "vendor err ")
 # A match on words alone (no signature, no specific code) is confident when a good share of the query's
-# weight falls on what the entry says users see, in words rare enough to say something, or when the query
-# shares several word 3-grams with its symptom lines. Looser values answered wrongly more often: on the
-# dev sets, 0.2 / 4.0 without the phrase rule gave 471 confident answers of which 0.79 had the right entry
-# in the top 3 (dev set 6: 0.455); these give 423 at 0.84 (dev set 6: 0.557), and 0.908 of the
-# top-3 hits stay confident.
+# weight falls on what the entry says users see, in words rare enough to say something (or most of it, in
+# somewhat rarer words), or when the query shares several word 3-grams with its symptom lines. The looser
+# 0.2 / 4.0 of earlier releases answered wrongly more often: at 818 entries, 0.79 of the dev sets' 471
+# confident answers had the right entry in the top 3, against 0.84 of 423 with 0.3 / 8.0 and the phrase
+# rule (`python bench/handbook_eval.py --set ...` prints the split by evidence).
 MIN_COVERAGE = 0.3
 MIN_STRONG_IDF = 8.0
+HIGH_COVERAGE = 0.6
+HIGH_COVERAGE_IDF = 6.0
 MIN_SHARED_PHRASES = 2
 # A signature match on a query with no domain word counts when the query is nearly the entry's own
 # symptom line (most of its weight and several word 3-grams): "trying to initialize the default process
@@ -292,6 +294,7 @@ def confident(match: Match) -> bool:
     if match.general and match.coverage >= NEAR_VERBATIM_COVERAGE:
         return True
     return (match.coverage >= MIN_COVERAGE and match.strong_idf >= MIN_STRONG_IDF) or \
+        (match.coverage >= HIGH_COVERAGE and match.strong_idf >= HIGH_COVERAGE_IDF) or \
         match.phrases >= MIN_SHARED_PHRASES
 
 

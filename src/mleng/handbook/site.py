@@ -266,7 +266,8 @@ SCRIPT = r"""
     if (m.signatures.length && (m.domain.length || (m.coverage >= C.near_verbatim_coverage && m.phrases >= C.near_verbatim_phrases))) return true;
     if (!m.domain.length) return false;
     if (m.general && m.coverage >= C.near_verbatim_coverage) return true;
-    return (m.coverage >= C.min_coverage && m.strong_idf >= C.min_strong_idf) || m.phrases >= C.min_shared_phrases;
+    return (m.coverage >= C.min_coverage && m.strong_idf >= C.min_strong_idf) ||
+      (m.coverage >= C.high_coverage && m.strong_idf >= C.high_coverage_idf) || m.phrases >= C.min_shared_phrases;
   }
   window.mlengSearch = search;
   var box = document.getElementById('q'), list = document.getElementById('results'), hint = document.getElementById('hint');
@@ -445,7 +446,8 @@ def search_data(entries: list[dict]) -> dict:
               "short_query_terms": S.SHORT_QUERY_TERMS, "other_framework_factor": S.OTHER_FRAMEWORK_FACTOR,
               "general_weight": S.GENERAL_WEIGHT, "specific_codes": list(S.SPECIFIC_CODE_KINDS),
               "min_coverage": S.MIN_COVERAGE, "min_strong_idf": S.MIN_STRONG_IDF,
-              "min_shared_phrases": S.MIN_SHARED_PHRASES,
+              "min_shared_phrases": S.MIN_SHARED_PHRASES, "high_coverage": S.HIGH_COVERAGE,
+              "high_coverage_idf": S.HIGH_COVERAGE_IDF,
               "near_verbatim_coverage": S.NEAR_VERBATIM_COVERAGE, "near_verbatim_phrases": S.NEAR_VERBATIM_PHRASES,
               "strong_columns": sorted(S.STRONG_COLUMNS)}
     codes = []
