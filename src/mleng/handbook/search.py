@@ -278,11 +278,14 @@ def confident(match: Match) -> bool:
     """Whether a result is a real answer, not the least bad of unrelated entries.
 
     Yes when they share a specific error code (an Xid, a CUDA or NCCL error number, a source line), or
-    when a signature matched a query that is nearly the entry's own symptom line. Else only for a query about the handbook's world (a GPU, training or cluster word, T.DOMAIN_WORDS): when one
-    of the entry's log signatures matched, or when enough of the query's weight (MIN_COVERAGE of its
-    IDF mass) falls on what the entry says users see, with words rare enough (MIN_STRONG_IDF) to say
-    something, or when the query shares MIN_SHARED_PHRASES word 3-grams with its symptoms, or when a short vague query ("training hangs") is nearly all in a diagnosis entry's words. Chit-chat, binary junk and errors of other software fail: their words are unknown to the
-    handbook, common to all of it, or outside its world.
+    when a signature matched a query that is nearly the entry's own symptom line. Else only for a query
+    about the handbook's world (a GPU, training or cluster word, T.DOMAIN_WORDS): when one of the entry's
+    log signatures matched; when enough of the query's weight (MIN_COVERAGE of its IDF mass, or
+    HIGH_COVERAGE) falls on what the entry says users see, in words rare enough (MIN_STRONG_IDF, or
+    HIGH_COVERAGE_IDF) to say something; when the query shares MIN_SHARED_PHRASES word 3-grams with its
+    symptoms; or when a short vague query ("training hangs") is nearly all in a diagnosis entry's words.
+    Chit-chat, binary junk and errors of other software fail: their words are unknown to the handbook,
+    common to all of it, or outside its world.
     """
     if any(c.startswith(SPECIFIC_CODE_KINDS) or (c.startswith("source ") and ":" in c) for c in match.codes):
         return True
