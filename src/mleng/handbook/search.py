@@ -259,9 +259,8 @@ SPECIFIC_CODE_KINDS = ("xid ", "cuda error ", "nccl error ", "vendor err ")
 # A match on words alone (no signature, no specific code) is confident when a good share of the query's
 # weight falls on what the entry says users see, in words rare enough to say something (or most of it, in
 # somewhat rarer words), or when the query shares several word 3-grams with its symptom lines. The looser
-# 0.2 / 4.0 of earlier releases answered wrongly more often: at 818 entries, 0.79 of the dev sets' 471
-# confident answers had the right entry in the top 3, against 0.84 of 423 with 0.3 / 8.0 and the phrase
-# rule (`python bench/handbook_eval.py --set ...` prints the split by evidence).
+# 0.2 / 4.0 of earlier releases made more confident wrong answers on words alone, the weakest evidence
+# (`python bench/handbook_eval.py --set ...` prints how often each kind of confident answer is right).
 MIN_COVERAGE = 0.3
 MIN_STRONG_IDF = 8.0
 HIGH_COVERAGE = 0.6
