@@ -96,6 +96,10 @@ DISTRIBUTED = textwrap.dedent('''
                "step": step, "checksum": checksum, "hooked": getattr(sys.excepthook, "_mleng_crash_hook", False)}
         with open(f"{framework}-rank{rank}.json", "w") as f:
             json.dump(out, f, default=str)
+        # As a training script should: a gloo group left to the interpreter's exit can abort there
+        # ("terminate called without an active exception"), once seen under a loaded CI machine.
+        dist.barrier()
+        dist.destroy_process_group()
 ''')
 
 HF_DISTRIBUTED = DISTRIBUTED + HF_SETUP + textwrap.dedent('''
