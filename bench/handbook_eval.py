@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from mleng.handbook.index import open_index
-from mleng.handbook.search import SPECIFIC_CODE_KINDS, search
+from mleng.handbook.search import has_specific_code, search
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -87,9 +87,7 @@ def evidence(answer: dict) -> str | None:
     if not answer["confident"]:
         return None
     matched = answer["results"][0]["matched"]
-    specific = any(c.startswith(SPECIFIC_CODE_KINDS) or (c.startswith("source ") and ":" in c)
-                   for c in matched["codes"])
-    return "signature or code" if matched["signatures"] or specific else "words"
+    return "signature or code" if matched["signatures"] or has_specific_code(matched["codes"]) else "words"
 
 
 def summary(rows: list[dict]) -> dict:

@@ -273,6 +273,12 @@ NEAR_VERBATIM_COVERAGE = 0.8
 NEAR_VERBATIM_PHRASES = 3
 
 
+def has_specific_code(codes: list[str]) -> bool:
+    """Whether one of the shared codes names the problem by itself: an Xid, a CUDA or NCCL error number,
+    a vendor error, or a source line such as socket.cc:538."""
+    return any(c.startswith(SPECIFIC_CODE_KINDS) or (c.startswith("source ") and ":" in c) for c in codes)
+
+
 def confident(match: Match) -> bool:
     """Whether a result is a real answer, not the least bad of unrelated entries.
 
@@ -286,7 +292,7 @@ def confident(match: Match) -> bool:
     Chit-chat, binary junk and errors of other software fail: their words are unknown to the handbook,
     common to all of it, or outside its world.
     """
-    if any(c.startswith(SPECIFIC_CODE_KINDS) or (c.startswith("source ") and ":" in c) for c in match.codes):
+    if has_specific_code(match.codes):
         return True
     if match.signatures and (match.domain or (match.coverage >= NEAR_VERBATIM_COVERAGE
                                                and match.phrases >= NEAR_VERBATIM_PHRASES)):

@@ -64,7 +64,7 @@ def terms(text: str) -> list[str]:
     text = text.lower()
     if "/" in text or "\\" in text:
         text = _PATH_RE.sub(" ", _SYSTEM_PATH_RE.sub(_system_path, text))
-    if not text.isascii():
+    if not text.isascii() and _CJK_RE.search(text):
         for word, english in CHINESE_WORDS:
             if word in text:
                 text = text.replace(word, f" {english} ")
