@@ -122,6 +122,9 @@ def main() -> int:
         digests = {p.name: check_frozen(p) for p in (FROZEN, FROZEN_OOS)}
     if not sets and not oos_sets:
         parser.error("name a set: --frozen, --set FILE or --oos FILE")
+    missing = [str(p) for p in sets + oos_sets if not p.is_file()]
+    if missing:
+        parser.error(f"no such query set: {', '.join(missing)} (the sets are tests/handbook_*.yaml)")
     cited = cited_urls()
     report = {"command": " ".join(["python", "bench/handbook_eval.py", *sys.argv[1:]]), "sha256": digests,
               "sets": {}, "oos": {}}
