@@ -43,9 +43,24 @@ def run_as_ranks(command: str, argv: list[str], nproc: int | None, timeout_s: fl
     try:
         return rank_body(launch)
     except KeyboardInterrupt:
-        if launch.rank != 0:
-            return signals.exit_code()  # rank 0 speaks for the job: one message, not one per rank
-        raise
+        if launch.rank == 0:  # rank 0 speaks for the job: one message, not one per rank
+            print(f"mleng {command}: interrupted by {signals.describe()}", file=sys.stderr)
+        _end_now(signals.exit_code())
+
+
+def _end_now(code: int) -> None:
+    """End an interrupted rank here, as the signal's default action would, once its record is stored and its
+    group torn down. A collective cut short leaves gloo or NCCL work in flight whose tensors the interpreter's
+    own exit then frees from a worker thread, which can abort the rank with SIGABRT ('terminate called without
+    an active exception'; pytorch/pytorch PR 179291 describes it)."""
+    import os
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 class StopSignals:
