@@ -358,13 +358,14 @@ def test_out_of_scope_queries_are_not_confident(tmp_path):
 
 def test_words_alone_are_confident_only_with_enough_rare_weight_or_shared_phrases():
     """A match with no signature and no specific code: a fifth of the query's weight on a few common words
-    is not an answer; 30% in rare words, 60% in somewhat rarer ones, or two word 3-grams of a symptom line, is."""
+    is not an answer; a quarter in rare words, 60% in somewhat rarer ones, or two word 3-grams of a symptom line, is."""
     from mleng.handbook.search import Match, confident
 
     def words(coverage, strong_idf, phrases=0):
         return Match([], [], ["hang"], [], phrases, coverage, strong_idf, ["gpu"])
 
-    assert not confident(words(0.25, 20.0))
+    assert not confident(words(0.2, 20.0))
+    assert confident(words(0.25, 8.0))
     assert not confident(words(0.55, 7.0))
     assert confident(words(0.7, 7.0))  # most of the query, in somewhat rarer words
     assert confident(words(0.35, 9.0))

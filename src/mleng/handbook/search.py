@@ -261,7 +261,7 @@ SPECIFIC_CODE_KINDS = ("xid ", "cuda error ", "nccl error ", "vendor err ")
 # somewhat rarer words), or when the query shares several word 3-grams with its symptom lines. The looser
 # 0.2 / 4.0 of earlier releases made more confident wrong answers on words alone, the weakest evidence
 # (`python bench/handbook_eval.py --set ...` prints how often each kind of confident answer is right).
-MIN_COVERAGE = 0.3
+MIN_COVERAGE = 0.25
 MIN_STRONG_IDF = 8.0
 HIGH_COVERAGE = 0.6
 HIGH_COVERAGE_IDF = 6.0

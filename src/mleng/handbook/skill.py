@@ -30,7 +30,7 @@ parse the output.
 3. Trust `confident`, not the score alone. `confident` is true when one of the entry's log signatures
    matched (`matched.signatures`), when a specific error code is shared (`matched.codes`: an Xid, a CUDA
    or NCCL error number, a source line), or when the query's GPU/training words cover the entry's
-   symptoms (`matched.coverage` >= 0.3 in rare words or >= 0.6, `matched.terms`) or share two or more 3-word
+   symptoms (`matched.coverage` >= 0.25 in rare words or >= 0.6, `matched.terms`) or share two or more 3-word
    phrases with them (`matched.phrases`). When it is false, say the handbook does not know this
    problem and present the results only as possibly related. The score is a sum: text relevance (0-1,
    relative to the best text match of this query) + up to 2 per matched signature (at most two) + error
