@@ -89,6 +89,7 @@ def test_lint_reports_every_rule(book, tmp_path):
     write_entry(book, "long-title", title="x" * 101)
     write_entry(book, "bad-category", category="gpu")
     write_entry(book, "bad-regex", signatures=["unclosed (group"])
+    write_entry(book, "bad-lookbehind", signatures=["(?<=NCCL +)WARN"])  # parses; only compiling rejects it
     write_entry(book, "regex-no-symptom", signatures=["nothing like this appears"])
     write_entry(book, "broad-regex", signatures=[".*"], symptoms=["error"])
     write_entry(book, "bare-word", signatures=["[Ee]rror"], symptoms=["Error"])
@@ -106,7 +107,7 @@ def test_lint_reports_every_rule(book, tmp_path):
     (book / "no-front-matter.md").write_text(BODY)
 
     count, problems = lint(book)
-    assert count == 23
+    assert count == 24
     by_file: dict[str, list] = {}
     for p in problems:
         by_file.setdefault(Path(p.file).stem, []).append((p.field, p.message))
@@ -121,6 +122,7 @@ def test_lint_reports_every_rule(book, tmp_path):
     assert has("long-title", "title", "at most 100")
     assert has("bad-category", "category", "use one of")
     assert has("bad-regex", "signatures", "does not compile")
+    assert has("bad-lookbehind", "signatures", "look-behind requires fixed-width")
     assert has("regex-no-symptom", "signatures", "matches none of the entry's symptoms")
     assert has("broad-regex", "signatures", "too broad")
     assert has("bare-word", "signatures", "too broad")

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mleng.handbook import default_entries_dir
+from mleng.handbook.terms import parse_regex
 
 REQUIRED_KEYS = ("id", "title", "category", "symptoms", "signatures", "applies_to",
                  "cause", "confirm", "fix", "sources")
@@ -137,7 +138,9 @@ def entry_from_meta(meta: dict, body: str, file: str) -> Entry:
     lists = {key: _string_list(meta, key, file) for key in LIST_KEYS}
     for pattern in lists["signatures"]:
         try:
-            re.compile(pattern)
+            parse_regex(pattern)
+            if "(?<=" in pattern or "(?<!" in pattern:
+                re.compile(pattern)  # a look-behind's width is checked when compiled, not when parsed
         except re.error as exc:
             raise EntryError(file, "signatures", f"regex {pattern!r} does not compile: {exc}") from None
     reproduction = meta.get("reproduction")

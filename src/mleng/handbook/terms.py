@@ -343,13 +343,20 @@ def _rarity(char: str) -> int:
     return index if index >= 0 else len(_COMMON_FIRST)
 
 
-def _parse(pattern: str):
+@functools.lru_cache(maxsize=None)
+def parse_regex(pattern: str):
+    """The regex's parse tree (raises re.error as re.compile would): parsed once per pattern, whether to check
+    an entry's signature when it is loaded or to find its anchors when the index is built."""
     try:
         from re import _parser as sre_parse  # Python >= 3.11
     except ImportError:  # pragma: no cover - Python 3.10
         import sre_parse  # type: ignore[no-redef]
+    return sre_parse.parse(pattern)
+
+
+def _parse(pattern: str):
     try:
-        parsed = sre_parse.parse(pattern)
+        parsed = parse_regex(pattern)
     except re.error:
         return None
     return None if parsed.state.flags & re.VERBOSE else parsed
