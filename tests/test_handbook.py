@@ -573,6 +573,25 @@ def test_triage_file_in_parallel_equals_serial(book, tmp_path, monkeypatch):
     assert parallel.findings[0].count == 5 and parallel.findings[1].hosts == {"node9"}
 
 
+def test_triage_pool_workers_leave_signals_to_the_parent():
+    """The pool ends its workers with SIGTERM: one that inherited mleng's handler printed a KeyboardInterrupt
+    traceback after the findings (now and then, on a 256 MiB log). Workers ignore Ctrl-C and die of SIGTERM."""
+    import multiprocessing
+    import signal
+
+    from mleng import signals
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signals.install()
+    try:
+        with multiprocessing.get_context("fork").Pool(1, initializer=triage_module._worker_signals) as pool:
+            inside = pool.starmap(signal.getsignal, [(signal.SIGINT,), (signal.SIGTERM,)])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert inside == [signal.SIG_IGN, signal.SIG_DFL]
+
+
 @pytest.mark.parametrize("compress", ["gzip", "xz", "bzip2", "zstd"])
 def test_triage_reads_compressed_logs(book, tmp_path, run_mleng, compress):
     tool = shutil.which(compress)

@@ -96,7 +96,7 @@ def triage_file(path: str, matcher: Matcher, workers: int | None = None) -> Tria
     ranges = [(path, a, b) for a, b in zip(offsets, offsets[1:]) if b > a]
     _WORKER_MATCHER = matcher
     try:
-        with multiprocessing.get_context("fork").Pool(len(ranges)) as pool:
+        with multiprocessing.get_context("fork").Pool(len(ranges), initializer=_worker_signals) as pool:
             parts = pool.starmap(_scan_range, ranges)
     finally:
         _WORKER_MATCHER = None
@@ -104,6 +104,15 @@ def triage_file(path: str, matcher: Matcher, workers: int | None = None) -> Tria
 
 
 MIN_BYTES_PER_WORKER = 64 << 20
+
+
+def _worker_signals() -> None:
+    """A worker leaves Ctrl-C to the parent and dies quietly of the SIGTERM that ends the pool: the handler it
+    inherits would turn that into a KeyboardInterrupt traceback on stderr after the findings were printed."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 _WORKER_MATCHER: Matcher | None = None
 
 
