@@ -386,6 +386,19 @@ def test_a_short_vague_query_gets_the_diagnosis_entry_first(tmp_path):
         index.close()
 
 
+def test_a_query_holding_a_whole_two_word_symptom_line_finds_its_entry(tmp_path):
+    """A two-word line ("KeyError: 'step'") has no word 3-gram to share; pasted whole, it still counts as a
+    phrase and lifts the framework discount, so the entry listing it leads, above entries sharing one word."""
+    assert "keyerror step" in T.entry_shingles("t", ["KeyError: 'step'"])
+    assert T.query_shingles(["a", "b", "c"]) == ({"a b c"}, {"a b", "b c"})
+    index = open_index(ENTRIES, tmp_path / "idx.sqlite")
+    try:
+        top = rank(index, "KeyError: 'step'")[0]
+        assert top["id"] == "accelerate-load-state-keyerror-step"
+    finally:
+        index.close()
+
+
 def test_error_codes_and_signatures_outrank_word_overlap(book):
     # A long entry that shares many words with the query, and short ones that carry the exact code.
     write_entry(book, "gpu-words", title="GPU fell off the PCIe bus and the driver lost it",

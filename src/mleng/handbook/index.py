@@ -13,7 +13,7 @@ from mleng.handbook import default_entries_dir
 from mleng.handbook.stem import stem
 
 # The layout of the cache file; the fingerprint also covers the code that fills it.
-INDEX_SCHEMA = 6
+INDEX_SCHEMA = 7
 INDEX_FILENAME = "handbook-index.sqlite"
 FTS_COLUMNS = ("title", "symptoms", "signatures", "codes", "tags", "cause", "confirm", "fix", "seen", "body")
 
@@ -148,9 +148,7 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> 
     for rowid, entry in enumerate(entries, start=1):
         data = entry.to_dict()
         columns = entry_columns(data)
-        shingle_set = T.shingles(columns[FTS_COLUMNS.index("title")])
-        for symptom in entry.symptoms:
-            shingle_set |= T.shingles(T.terms(symptom))
+        shingle_set = T.entry_shingles(data["title"], entry.symptoms)
         codes, length = sorted(entry_codes(data)), sum(len(words) for words in columns)
         anchors = [T.regex_anchor(s) for s in entry.signatures]
         conn.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", (

@@ -208,7 +208,9 @@ def search(index: Index, query: str, limit: int = 5) -> dict:
     lines = [line for line in query.splitlines() if line.strip()] or [query]
     lowered = query.lower()
     query_codes = T.error_codes(query)
-    shared_shingles = _shared_shingles(index, T.shingles(words))
+    triples, pairs = T.query_shingles(words)
+    shared_shingles = _shared_shingles(index, triples)
+    whole_lines = _shared_shingles(index, pairs)
     short = len(terms.weight) <= SHORT_QUERY_TERMS
     domain = sorted(T.domain_words(words))
     word_set = set(words)
@@ -225,12 +227,13 @@ def search(index: Index, query: str, limit: int = 5) -> dict:
         signature_score = _signature_score(entry, lines, lowered, signature_hits)
         shared_codes = sorted(query_codes.intersection(entry.codes))
         code_score = sum(T.code_weight(c) / math.sqrt(code_df[c]) for c in shared_codes)
-        shared_phrases = shared_shingles.get(entry.rowid, 0)
+        whole_line = whole_lines.get(entry.rowid, 0)
+        shared_phrases = shared_shingles.get(entry.rowid, 0) + whole_line
         phrase_score = PHRASE_WEIGHT * min(shared_phrases, PHRASE_SATURATION) / PHRASE_SATURATION
         # A short, vague query ("training hangs at step 3000") is best answered by the entry on how
         # to diagnose that kind of problem, not by whichever narrow cause shares the most words.
         framework = T.FRAMEWORK_WORDS.get(entry.category)
-        if framework is not None and not signature_score and not framework.intersection(word_set):
+        if framework is not None and not signature_score and not whole_line and not framework.intersection(word_set):
             text_score *= OTHER_FRAMEWORK_FACTOR
             phrase_score *= OTHER_FRAMEWORK_FACTOR
         general = GENERAL_WEIGHT * text_score if short and "general" in entry.tags else 0.0

@@ -145,7 +145,7 @@ SCRIPT = r"""
     var out = []; (text.match(TOKEN) || []).forEach(function (t) { tokenTerms(t).forEach(function (x) { out.push(x); }); });
     return out;
   }
-  function shingles(words) { var s = new Set(); for (var i = 0; i + 3 <= words.length; i++) s.add(words.slice(i, i + 3).join(' ')); return s; }
+  function shingles(words, n) { var s = new Set(); for (var i = 0; i + n <= words.length; i++) s.add(words.slice(i, i + n).join(' ')); return s; }
   function errorCodes(text) {
     var codes = new Set();
     CODES.forEach(function (c) {
@@ -225,7 +225,7 @@ SCRIPT = r"""
     });
     var best = 0; bm25.forEach(function (v) { if (v > best) best = v; });
     var lines = splitlines(query).filter(function (l) { return l.trim(); }); if (!lines.length) lines = [query];
-    var lowered = query.toLowerCase(), qcodes = errorCodes(query), qsh = shingles(words);
+    var lowered = query.toLowerCase(), qcodes = errorCodes(query), qsh = shingles(words, 3), qpairs = shingles(words, 2);
     var short = qt.weight.size <= C.short_query_terms, domain = Array.from(domainWords(words)).sort(), wordSet = new Set(words);
     var codeDf = new Map(); ENTRIES.forEach(function (e) { e.codes.forEach(function (c) { codeDf.set(c, (codeDf.get(c) || 0) + 1); }); });
     var scored = [];
@@ -241,10 +241,11 @@ SCRIPT = r"""
       var sig = C.signature_weight * found.slice(0, C.max_signature_hits).reduce(function (a, b) { return a + b; }, 0);
       var shared = e.codes.filter(function (c) { return qcodes.has(c); }).sort();
       var code = shared.reduce(function (a, c) { return a + codeWeight(c) / Math.sqrt(codeDf.get(c)); }, 0);
-      var nph = 0; qsh.forEach(function (s) { if (e.shingles.has(s)) nph++; });
+      var nph = 0, whole = 0; qsh.forEach(function (s) { if (e.shingles.has(s)) nph++; });
+      qpairs.forEach(function (s) { if (e.shingles.has(s)) whole++; }); nph += whole;
       var phrase = C.phrase_weight * Math.min(nph, C.phrase_saturation) / C.phrase_saturation;
       var fw = FW.get(e.category);
-      if (fw && !sig && !Array.from(fw).some(function (w) { return wordSet.has(w); })) { text *= C.other_framework_factor; phrase *= C.other_framework_factor; }
+      if (fw && !sig && !whole && !Array.from(fw).some(function (w) { return wordSet.has(w); })) { text *= C.other_framework_factor; phrase *= C.other_framework_factor; }
       var general = short && e.tags.indexOf('general') >= 0 ? C.general_weight * text : 0;
       var score = text + sig + code + phrase + general;
       if (score > 0) scored.push([score, e, hits, shared, nph]);
@@ -426,9 +427,7 @@ def search_data(entries: list[dict]) -> dict:
         lengths[rowid] = sum(len(words) for words in columns)
         for term, col, tf in entry_postings(columns):
             postings.setdefault(term, []).append([rowid, col, tf])
-        shingle_set = T.shingles(T.terms(e["title"]))
-        for symptom in e["symptoms"]:
-            shingle_set |= T.shingles(T.terms(symptom))
+        shingle_set = T.entry_shingles(e["title"], e["symptoms"])
         sigs = []
         for pattern in e["signatures"]:
             converted = js_regex(pattern)

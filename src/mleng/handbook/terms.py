@@ -197,6 +197,21 @@ def shingles(words: list[str], size: int = 3) -> set[str]:
     return {" ".join(words[i:i + size]) for i in range(len(words) - size + 1)}
 
 
+def entry_shingles(title: str, symptoms: list[str]) -> set[str]:
+    """The word 3-grams of an entry's title and symptom lines, and a two-word symptom line whole
+    ("KeyError: 'step'"), which has no 3-gram: a query containing it contains the entire line."""
+    found = shingles(terms(title))
+    for symptom in symptoms:
+        words = terms(symptom)
+        found |= shingles(words) if len(words) != 2 else {" ".join(words)}
+    return found
+
+
+def query_shingles(words: list[str]) -> tuple[set[str], set[str]]:
+    """A query's word 3-grams, and its word pairs (which meet only the two-word lines of entry_shingles)."""
+    return shingles(words), shingles(words, 2)
+
+
 # --- error codes -------------------------------------------------------------------------------
 # Each pattern maps a concrete mention to a canonical code string; entries and queries go through
 # the same extraction, so "Xid (PCI:0000:3b:00): 79" in a log meets "Xid 79" in an entry.
