@@ -341,6 +341,11 @@ def test_ask_says_when_it_does_not_know(book, run_mleng):
     sure = run_mleng("ask", "RuntimeError: the first-entry failure happened on rank 3", env=env)
     assert sure.returncode == 0 and sure.stdout.startswith("1. Title of first-entry")
     assert "matched: 1 log signature" in sure.stdout
+    write_entry(book, "words-entry", signatures=[],
+                symptoms=["training stalls while the gradient buckets rebuild slowly on every rank"])
+    guess = run_mleng("ask", "my training stalls while the gradient buckets rebuild slowly", env=env)
+    assert guess.returncode == 0, guess.stderr
+    assert guess.stdout.startswith("best guess from words alone") and "1. Title of words-entry" in guess.stdout
 
 
 def test_out_of_scope_queries_are_not_confident(tmp_path):

@@ -32,7 +32,10 @@ parse the output.
    or NCCL error number, a source line), or when the query's GPU/training words cover the entry's
    symptoms (`matched.coverage` >= 0.25 in rare words or >= 0.6, `matched.terms`) or share two or more 3-word
    phrases with them (`matched.phrases`). When it is false, say the handbook does not know this
-   problem and present the results only as possibly related. The score is a sum: text relevance (0-1,
+   problem and present the results only as possibly related. When it is true but rests on words alone
+   (no `matched.signatures`, no specific `matched.codes`), present it as the best guess and check its
+   cause against the log: on fresh real questions, most such answers named the wrong cause (README).
+   The score is a sum: text relevance (0-1,
    relative to the best text match of this query) + up to 2 per matched signature (at most two) + error
    codes (about 0.5-3 each, less when many entries share the code) + up to 1 for shared 3-word phrases;
    scores compare results of one query, not across queries.
