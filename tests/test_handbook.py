@@ -394,7 +394,7 @@ def test_a_short_vague_query_gets_the_diagnosis_entry_first(tmp_path):
 def test_a_query_holding_a_whole_two_word_symptom_line_finds_its_entry(tmp_path):
     """A two-word line ("KeyError: 'step'") has no word 3-gram to share; pasted whole, it still counts as a
     phrase and lifts the framework discount, so the entry listing it leads, above entries sharing one word."""
-    assert "keyerror step" in T.entry_shingles("t", ["KeyError: 'step'"])
+    assert "keyerror step" in T.entry_shingles(["t"], [T.terms("KeyError: 'step'")])
     assert T.query_shingles(["a", "b", "c"]) == ({"a b c"}, {"a b", "b c"})
     index = open_index(ENTRIES, tmp_path / "idx.sqlite")
     try:

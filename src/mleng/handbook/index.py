@@ -110,11 +110,17 @@ def entry_codes(entry: dict) -> set[str]:
     return codes
 
 
-def entry_columns(data: dict) -> list[list[str]]:
-    """The search terms of each column (FTS_COLUMNS order) of an entry (Entry.to_dict()), unstemmed."""
+def symptom_terms(data: dict) -> list[list[str]]:
+    """The terms of each symptom line of an entry (Entry.to_dict())."""
+    return [T.terms(line) for line in data["symptoms"]]
+
+
+def entry_columns(data: dict, symptoms: list[list[str]]) -> list[list[str]]:
+    """The search terms of each column (FTS_COLUMNS order) of an entry (Entry.to_dict()), unstemmed;
+    `symptoms`: its symptom_terms, which make the symptoms column."""
     sections = data.get("sections") or {}
     fields = {
-        "title": data["title"], "symptoms": "\n".join(data["symptoms"]),
+        "title": data["title"], "symptoms": "",
         "signatures": "\n".join(data["signatures"]),
         "codes": "\n".join(data["error_codes"]), "tags": " ".join(data["tags"] + [data["category"], data["id"]]),
         "cause": data["cause"], "confirm": "\n".join(data["confirm"]), "fix": "\n".join(data["fix"]),
@@ -122,7 +128,8 @@ def entry_columns(data: dict) -> list[list[str]]:
         "seen": sections.get("What you see", ""),
         "body": "\n".join(v for k, v in sections.items() if k != "What you see"),
     }
-    return [T.terms(fields[c]) for c in FTS_COLUMNS]
+    return [T.terms(fields[c]) if c != "symptoms" else [w for line in symptoms for w in line]
+            for c in FTS_COLUMNS]
 
 
 def entry_postings(columns: list[list[str]]) -> list[tuple[str, int, int]]:
@@ -147,8 +154,9 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> 
     shingles: list[tuple[str, int]] = []
     for rowid, entry in enumerate(entries, start=1):
         data = entry.to_dict()
-        columns = entry_columns(data)
-        shingle_set = T.entry_shingles(data["title"], entry.symptoms)
+        lines = symptom_terms(data)
+        columns = entry_columns(data, lines)
+        shingle_set = T.entry_shingles(columns[FTS_COLUMNS.index("title")], lines)
         codes, length = sorted(entry_codes(data)), sum(len(words) for words in columns)
         anchors = [T.regex_anchor(s) for s in entry.signatures]
         conn.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", (

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from mleng.handbook import default_entries_dir
@@ -56,7 +56,19 @@ class Entry:
     path: str = ""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # dataclasses.asdict, generic and deep, took a third of an index rebuild; the values are plain.
+        return {name: _plain_copy(getattr(self, name)) for name in _ENTRY_FIELDS}
+
+
+_ENTRY_FIELDS = tuple(f.name for f in fields(Entry))
+
+
+def _plain_copy(value):
+    if isinstance(value, list):
+        return [_plain_copy(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain_copy(v) for k, v in value.items()}
+    return value
 
 
 def entry_files(directory: Path) -> list[Path]:

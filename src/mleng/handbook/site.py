@@ -419,15 +419,16 @@ def search_data(entries: list[dict]) -> dict:
     """What the page's search needs, compact: entries, postings, lengths, weights and the query-side rules."""
     from mleng.handbook import search as S
     from mleng.handbook import terms as T
-    from mleng.handbook.index import FTS_COLUMNS, entry_codes, entry_columns, entry_postings
+    from mleng.handbook.index import FTS_COLUMNS, entry_codes, entry_columns, entry_postings, symptom_terms
 
     rows, postings, lengths, skipped = [], {}, {}, []
     for rowid, e in enumerate(entries, start=1):
-        columns = entry_columns(e)
+        lines = symptom_terms(e)
+        columns = entry_columns(e, lines)
         lengths[rowid] = sum(len(words) for words in columns)
         for term, col, tf in entry_postings(columns):
             postings.setdefault(term, []).append([rowid, col, tf])
-        shingle_set = T.entry_shingles(e["title"], e["symptoms"])
+        shingle_set = T.entry_shingles(columns[FTS_COLUMNS.index("title")], lines)
         sigs = []
         for pattern in e["signatures"]:
             converted = js_regex(pattern)

@@ -197,12 +197,11 @@ def shingles(words: list[str], size: int = 3) -> set[str]:
     return {" ".join(words[i:i + size]) for i in range(len(words) - size + 1)}
 
 
-def entry_shingles(title: str, symptoms: list[str]) -> set[str]:
-    """The word 3-grams of an entry's title and symptom lines, and a two-word symptom line whole
-    ("KeyError: 'step'"), which has no 3-gram: a query containing it contains the entire line."""
-    found = shingles(terms(title))
-    for symptom in symptoms:
-        words = terms(symptom)
+def entry_shingles(title: list[str], symptoms: list[list[str]]) -> set[str]:
+    """The word 3-grams of an entry's title and symptom lines (their terms), and a two-word symptom line
+    whole ("KeyError: 'step'"), which has no 3-gram: a query containing it contains the entire line."""
+    found = shingles(title)
+    for words in symptoms:
         found |= shingles(words) if len(words) != 2 else {" ".join(words)}
     return found
 
