@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from mleng.handbook.index import open_index
-from mleng.handbook.search import has_specific_code, search
+from mleng.handbook.search import search, words_only
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -86,8 +86,7 @@ def evidence(answer: dict) -> str | None:
     """What a confident first answer rests on: a log signature or a specific error code, or words alone."""
     if not answer["confident"]:
         return None
-    matched = answer["results"][0]["matched"]
-    return "signature or code" if matched["signatures"] or has_specific_code(matched["codes"]) else "words"
+    return "words" if words_only(answer["results"][0]["matched"]) else "signature or code"
 
 
 def summary(rows: list[dict]) -> dict:

@@ -68,10 +68,11 @@ def render_answer(answer: dict) -> str:
         return ("no confident match: no handbook entry shares a word with this; try the exact error line, "
                 "or fewer, more specific words")
     if answer["confident"]:
-        best = results[0]["matched"]
-        if best["signatures"] or _specific(best["codes"]):
+        from mleng.handbook.search import words_only
+
+        if not words_only(results[0]["matched"]):
             return render_results(results)
-        # Words alone are the weakest evidence (README: on fresh real questions most such answers were wrong).
+        # README: on fresh real questions most confident answers resting on words alone were wrong.
         return ("best guess from words alone (no log signature or error code matched): check each cause "
                 "against your log, and paste the exact error line if there is one\n\n" + render_results(results))
     lines = ["no confident match: the handbook does not seem to know this problem.",
@@ -81,12 +82,6 @@ def render_answer(answer: dict) -> str:
     lines.append("paste the exact error line (the last lines of the traceback, or the first NCCL WARN) for a "
                  "better answer")
     return "\n".join(lines)
-
-
-def _specific(codes: list[str]) -> bool:
-    from mleng.handbook.search import has_specific_code
-
-    return has_specific_code(codes)
 
 
 def _matched(result: dict) -> str:

@@ -120,7 +120,7 @@ def entry_columns(data: dict, symptoms: list[list[str]]) -> list[list[str]]:
     `symptoms`: its symptom_terms, which make the symptoms column."""
     sections = data.get("sections") or {}
     fields = {
-        "title": data["title"], "symptoms": "",
+        "title": data["title"],
         "signatures": "\n".join(data["signatures"]),
         "codes": "\n".join(data["error_codes"]), "tags": " ".join(data["tags"] + [data["category"], data["id"]]),
         "cause": data["cause"], "confirm": "\n".join(data["confirm"]), "fix": "\n".join(data["fix"]),
@@ -128,8 +128,8 @@ def entry_columns(data: dict, symptoms: list[list[str]]) -> list[list[str]]:
         "seen": sections.get("What you see", ""),
         "body": "\n".join(v for k, v in sections.items() if k != "What you see"),
     }
-    return [T.terms(fields[c]) if c != "symptoms" else [w for line in symptoms for w in line]
-            for c in FTS_COLUMNS]
+    symptom_words = [w for line in symptoms for w in line]
+    return [symptom_words if c == "symptoms" else T.terms(fields[c]) for c in FTS_COLUMNS]
 
 
 def entry_postings(columns: list[list[str]]) -> list[tuple[str, int, int]]:

@@ -282,6 +282,12 @@ def has_specific_code(codes: list[str]) -> bool:
     return any(c.startswith(SPECIFIC_CODE_KINDS) or (c.startswith("source ") and ":" in c) for c in codes)
 
 
+def words_only(matched: dict) -> bool:
+    """Whether a result's `matched` rests on words alone: no log signature and no specific error code,
+    the weakest evidence (what `mleng ask` calls a best guess, and what bench/handbook_eval.py counts apart)."""
+    return not matched["signatures"] and not has_specific_code(matched["codes"])
+
+
 def confident(match: Match) -> bool:
     """Whether a result is a real answer, not the least bad of unrelated entries.
 
