@@ -144,26 +144,27 @@ class Store:
             )
 
     def _check_or_initialize(self, conn: sqlite3.Connection) -> None:
-        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-        user_version = conn.execute("PRAGMA user_version").fetchone()[0]
-        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
-        if app_id == 0 and not tables:
+        app_id, user_version, tables = self._header(conn)
+        if app_id == 0:
+            # Read again under the write lock: another process may be initializing it right now, and reads made
+            # outside one transaction can straddle its commit (an id of 0 next to its new table).
             conn.execute("BEGIN IMMEDIATE")
             try:
-                # Another process may have initialized it while we waited for the lock.
-                if conn.execute("PRAGMA application_id").fetchone()[0] == 0:
+                app_id, user_version, tables = self._header(conn)
+                if app_id == 0 and not tables:
                     for statement in _DDL.split(";"):
                         if statement.strip():
                             conn.execute(statement)
                     conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
                     conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                    conn.execute("COMMIT")
+                    conn.execute("PRAGMA journal_mode = WAL")
+                    return
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
-            conn.execute("PRAGMA journal_mode = WAL")
-            return
         if app_id != APPLICATION_ID:
             raise StoreError(
                 f"results store {self.path} is an SQLite database that mleng did not create "
@@ -181,6 +182,13 @@ class Store:
             raise StoreError(f"results store {self.path} is corrupt: {integrity}",
                              hint="left untouched; move it away or set MLENG_HOME to another directory")
         conn.execute("PRAGMA journal_mode = WAL")
+
+    @staticmethod
+    def _header(conn: sqlite3.Connection) -> tuple[int, int, list[str]]:
+        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        user_version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        return app_id, user_version, tables
 
     # -- writes -------------------------------------------------------------------------------
     def save(self, measurement: Measurement | dict[str, Any]) -> str:
