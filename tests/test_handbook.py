@@ -368,8 +368,8 @@ def test_words_alone_are_confident_only_with_enough_rare_weight_or_shared_phrase
     is not an answer; a quarter in rare words, 60% in somewhat rarer ones, or two word 3-grams of a symptom line, is."""
     from mleng.handbook.search import Match, confident
 
-    def words(coverage, strong_idf, phrases=0):
-        return Match([], [], ["hang"], [], phrases, coverage, strong_idf, ["gpu"])
+    def words(coverage, strong_idf, phrases=0, pasted_error=False):
+        return Match([], [], ["hang"], [], phrases, coverage, strong_idf, ["gpu"], pasted_error=pasted_error)
 
     assert not confident(words(0.2, 20.0))
     assert confident(words(0.25, 8.0))
@@ -378,6 +378,9 @@ def test_words_alone_are_confident_only_with_enough_rare_weight_or_shared_phrase
     assert confident(words(0.35, 9.0))
     assert confident(words(0.1, 2.0, phrases=2))
     assert not confident(Match([], [], ["hang"], [], 5, 0.9, 30.0, []))  # no word of the handbook's world
+    # a pasted exception line that shares no 3-word phrase with the entry's symptoms: words alone do not count
+    assert not confident(words(0.7, 20.0, pasted_error=True))
+    assert confident(words(0.7, 20.0, phrases=1, pasted_error=True))
 
 
 def test_a_short_vague_query_gets_the_diagnosis_entry_first(tmp_path):

@@ -30,6 +30,8 @@ RESULT_FIELDS = ("id", "title", "category", "score", "symptoms", "cause", "confi
 FRAME_WEIGHT = 0.5
 _FRAME_RE = re.compile(r'^\s*(?:File "[^"]*", line \d+|frame #\d+:|at [\w.$]+\(|#\d+\s+0x[0-9a-f]+ in )')
 _CARET_RE = re.compile(r"^\s*[\^~]+\s*$")
+# A pasted exception line ("AttributeError: ...", "torch.OutOfMemoryError: ...").
+_PASTED_ERROR_RE = re.compile(r"\b[A-Za-z_.]*(?:Error|Exception)\b:")
 
 BM25_K1 = 1.2
 BM25_B = 0.75
@@ -161,10 +163,11 @@ class Match:
     """Why an entry matched: what `mleng ask --json` reports as `matched`, and what confidence reads.
     (A plain class, like QueryTerms: `mleng ask` starts faster without importing dataclasses.)"""
     __slots__ = ("signatures", "codes", "terms", "other_terms", "phrases", "coverage", "strong_idf", "domain",
-                 "general")
+                 "general", "pasted_error")
 
     def __init__(self, signatures: list[str], codes: list[str], terms: list[str], other_terms: list[str],
-                 phrases: int, coverage: float, strong_idf: float, domain: list[str], general: bool = False):
+                 phrases: int, coverage: float, strong_idf: float, domain: list[str], general: bool = False,
+                 pasted_error: bool = False):
         self.signatures, self.codes = signatures, codes
         self.terms = terms              # query words found in the entry's title, symptoms, signatures, codes or tags
         self.other_terms = other_terms  # query words found only in its explanation, confirm or fix text
@@ -173,6 +176,7 @@ class Match:
         self.strong_idf = strong_idf    # the IDF mass of those strong-column matches
         self.domain = domain            # words of the query from the handbook's world (T.DOMAIN_WORDS)
         self.general = general          # a diagnosis entry (tag 'general') answering a short, vague query
+        self.pasted_error = pasted_error  # the query holds an exception line ("KeyError: ...")
 
     def to_dict(self) -> dict:
         return {"signatures": self.signatures, "codes": self.codes, "terms": self.terms,
@@ -214,6 +218,7 @@ def search(index: Index, query: str, limit: int = 5) -> dict:
     short = len(terms.weight) <= SHORT_QUERY_TERMS
     domain = sorted(T.domain_words(words))
     word_set = set(words)
+    pasted_error = bool(_PASTED_ERROR_RE.search(query))
 
     code_df: dict[str, int] = {}
     for entry in index.entries:
@@ -246,6 +251,7 @@ def search(index: Index, query: str, limit: int = 5) -> dict:
         match = _match(entry, terms, columns.get(entry.rowid, {}), signature_hits, shared_codes, shared_phrases,
                        domain)
         match.general = short and "general" in entry.tags
+        match.pasted_error = pasted_error
         result = {k: round(score, 4) if k == "score" else entry.data[k] for k in RESULT_FIELDS}
         result["matched"] = match.to_dict()
         result["confident"] = confident(match)
@@ -298,6 +304,9 @@ def confident(match: Match) -> bool:
     HIGH_COVERAGE) falls on what the entry says users see, in words rare enough (MIN_STRONG_IDF, or
     HIGH_COVERAGE_IDF) to say something; when the query shares MIN_SHARED_PHRASES word 3-grams with its
     symptoms; or when a short vague query ("training hangs") is nearly all in a diagnosis entry's words.
+    A query that pastes an exception line gets no words-only answer from an entry that shares not one
+    word 3-gram with it: the error is then one the entry never shows (the 3 such confident answers on
+    dev set 9 as first frozen, and the 3 on all dev sets today, were all wrong).
     Chit-chat, binary junk and errors of other software fail: their words are unknown to the handbook,
     common to all of it, or outside its world.
     """
@@ -310,6 +319,8 @@ def confident(match: Match) -> bool:
         return False
     if match.general and match.coverage >= NEAR_VERBATIM_COVERAGE:
         return True
+    if match.pasted_error and not match.phrases:
+        return False
     return (match.coverage >= MIN_COVERAGE and match.strong_idf >= MIN_STRONG_IDF) or \
         (match.coverage >= HIGH_COVERAGE and match.strong_idf >= HIGH_COVERAGE_IDF) or \
         match.phrases >= MIN_SHARED_PHRASES

@@ -69,7 +69,7 @@ SCRIPT = r"""
   var BRIT = new RegExp(Q.british), PHRASES = Q.phrases.map(function (p) { return [new RegExp(p[0], 'g'), p[1]]; }), CJK = new RegExp(Q.cjk, 'g');
   var TOKEN = /[\p{L}\p{N}\p{M}]+/gu, HEX = new RegExp('^(?:' + Q.hex + ')$'), LD = new RegExp('^(?:' + Q.letters_digits + ')$');
   var SYSPATH = new RegExp(Q.system_path, 'g'), PATH = new RegExp(Q.path, 'g');
-  var FRAME = new RegExp(Q.frame), CARET = new RegExp(Q.caret), CLAUSE = new RegExp(Q.clause, 'i'), ASIDE = new RegExp(Q.aside, 'i');
+  var FRAME = new RegExp(Q.frame), CARET = new RegExp(Q.caret), CLAUSE = new RegExp(Q.clause, 'i'), ASIDE = new RegExp(Q.aside, 'i'), PASTED = new RegExp(Q.pasted_error);
   var CODES = Q.codes.map(function (c) { return [new RegExp(c[0], 'g' + c[1]), c[2]]; });
   var SIGWORD = new RegExp(Q.signal_word_re, 'gi'), SIGNAMES = new Map(Q.signal_names), SIGWORDS = new Map(Q.signal_words);
   var FW = new Map(Q.framework.map(function (f) { return [f[0], new Set(f[1])]; }));
@@ -257,7 +257,7 @@ SCRIPT = r"""
       cols.forEach(function (cs, t) { if (Array.from(cs).some(function (c) { return C.strong_columns.indexOf(c) >= 0; })) strong.push(t); });
       strong.forEach(function (t) { strongMass += qt.weight.get(t) * idf(qt, t); strongIdf += idf(qt, t); });
       var match = {signatures: s[2], codes: s[3], phrases: s[4], coverage: strongMass / (total || 1), strong_idf: strongIdf,
-                   domain: domain, general: short && e.tags.indexOf('general') >= 0};
+                   domain: domain, general: short && e.tags.indexOf('general') >= 0, pasted_error: PASTED.test(query)};
       return {id: e.id, title: e.title, category: e.category, score: Math.round(s[0] * 1e4) / 1e4, confident: confident(match)};
     });
     return {confident: results.length > 0 && results[0].confident, results: results};
@@ -267,6 +267,7 @@ SCRIPT = r"""
     if (m.signatures.length && (m.domain.length || (m.coverage >= C.near_verbatim_coverage && m.phrases >= C.near_verbatim_phrases))) return true;
     if (!m.domain.length) return false;
     if (m.general && m.coverage >= C.near_verbatim_coverage) return true;
+    if (m.pasted_error && !m.phrases) return false;
     return (m.coverage >= C.min_coverage && m.strong_idf >= C.min_strong_idf) ||
       (m.coverage >= C.high_coverage && m.strong_idf >= C.high_coverage_idf) || m.phrases >= C.min_shared_phrases;
   }
@@ -460,7 +461,7 @@ def search_data(entries: list[dict]) -> dict:
              "hex": T._HEX_RE.pattern, "letters_digits": T._LETTERS_DIGITS_RE.pattern,
              "system_path": T._SYSTEM_PATH_RE.pattern, "path": T._PATH_RE.pattern,
              "frame": S._FRAME_RE.pattern, "caret": S._CARET_RE.pattern, "clause": S._CLAUSE_RE.pattern,
-             "aside": S._ASIDE_RE.pattern, "codes": codes, "strerror": T._STRERROR,
+             "aside": S._ASIDE_RE.pattern, "pasted_error": S._PASTED_ERROR_RE.pattern, "codes": codes, "strerror": T._STRERROR,
              "cuda": sorted(T._CUDA_MESSAGES.items()), "nccl": sorted(T._NCCL_RESULTS.items()),
              "signal_words": sorted(T._SIGNAL_WORDS.items()), "signal_word_re": T._SIGNAL_WORD_RE.pattern,
              "signal_names": sorted(T._SIGNAL_NAMES.items()), "domain": sorted(T.DOMAIN_WORDS),
