@@ -227,6 +227,7 @@ SCRIPT = r"""
     var lines = splitlines(query).filter(function (l) { return l.trim(); }); if (!lines.length) lines = [query];
     var lowered = query.toLowerCase(), qcodes = errorCodes(query), qsh = shingles(words, 3), qpairs = shingles(words, 2);
     var short = qt.weight.size <= C.short_query_terms, domain = Array.from(domainWords(words)).sort(), wordSet = new Set(words);
+    var pasted = PASTED.test(query);
     var codeDf = new Map(); ENTRIES.forEach(function (e) { e.codes.forEach(function (c) { codeDf.set(c, (codeDf.get(c) || 0) + 1); }); });
     var scored = [];
     ENTRIES.forEach(function (e) {
@@ -257,7 +258,7 @@ SCRIPT = r"""
       cols.forEach(function (cs, t) { if (Array.from(cs).some(function (c) { return C.strong_columns.indexOf(c) >= 0; })) strong.push(t); });
       strong.forEach(function (t) { strongMass += qt.weight.get(t) * idf(qt, t); strongIdf += idf(qt, t); });
       var match = {signatures: s[2], codes: s[3], phrases: s[4], coverage: strongMass / (total || 1), strong_idf: strongIdf,
-                   domain: domain, general: short && e.tags.indexOf('general') >= 0, pasted_error: PASTED.test(query)};
+                   domain: domain, general: short && e.tags.indexOf('general') >= 0, pasted_error: pasted};
       return {id: e.id, title: e.title, category: e.category, score: Math.round(s[0] * 1e4) / 1e4, confident: confident(match)};
     });
     return {confident: results.length > 0 && results[0].confident, results: results};
