@@ -167,7 +167,7 @@ collective collectives allreduce all_reduce allgather all_gather broadcast barri
 torchrun elastic rendezvous c10d slurm srun sbatch salloc squeue scontrol kubernetes kubectl pod pods
 compile dynamo inductor triton cudagraph cudagraphs attention flash sdpa xformers kernel kernels
 memory oom allocator vram hbm shm dev inference vllm safetensors pickle mfu tflops flops throughput
-dtensor aten sharding mpirun openmpi ompi jax jaxlib trl
+dtensor aten sharding mpirun openmpi ompi jax jaxlib trl loraconfig peftmodel peftconfig
 """.split())
 
 
