@@ -50,42 +50,50 @@ def snapshot(rev: str, into: Path) -> Path:
 
 
 def covered_hits(index, cases: list[dict]) -> dict:
+    """search.evaluate() over the cases whose labels name an entry of this snapshot, as counts."""
     ids = {e.id for e in index.entries}
-    covered = hit1 = hit3 = 0
+    covered = []
     for case in cases:
         expected = case["expected"] if isinstance(case["expected"], list) else [case["expected"]]
-        accepted = {*expected, *case.get("also", [])} & ids
-        if not accepted:
-            continue
-        covered += 1
-        got = [r["id"] for r in S.rank(index, case["query"], limit=3)]
-        hit1 += bool(got) and got[0] in accepted
-        hit3 += any(g in accepted for g in got)
-    return {"covered": covered, "hit_at_1": hit1, "hit_at_3": hit3}
+        accepted = sorted({*expected, *case.get("also", [])} & ids)
+        if accepted:
+            covered.append({"query": case["query"], "expected": accepted})
+    rows = S.evaluate(covered, index)["rows"]
+    return {"covered": len(rows), "hit_at_1": sum(r["position"] == 1 for r in rows),
+            "hit_at_3": sum(r["position"] is not None for r in rows)}
 
 
-def apply(variant: str) -> list[tuple]:
-    """Set the variant's constants; returns what to restore."""
-    saved = []
+def parse(variant: str) -> list[tuple]:
+    """(target, key, value) for each NAME=VALUE or DICT.KEY=VALUE of a variant; a wrong one is a usage error."""
+    settings = []
     for part in variant.split(","):
-        name, value = part.split("=")
-        if "." in name:
-            table, key = name.split(".")
-            target = getattr(S, table)
-            if key not in target:
-                raise SystemExit(f"{table} has no key {key!r}")
-            saved.append((target, key, target[key]))
-            target[key] = float(value)
+        name, sep, value = part.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if not sep or number is None:
+            raise ValueError(f"{part!r} is not NAME=NUMBER or DICT.KEY=NUMBER")
+        table, dot, key = name.partition(".")
+        if dot:
+            target = getattr(S, table, None)
+            if not isinstance(target, dict) or key not in target:
+                raise ValueError(f"mleng.handbook.search has no dict {table!r} with key {key!r}")
+            settings.append((target, key, number))
+        elif isinstance(getattr(S, name, None), (int, float)):
+            settings.append((S, name, number))
         else:
-            if not hasattr(S, name):
-                raise SystemExit(f"mleng.handbook.search has no constant {name!r}")
-            saved.append((S, name, getattr(S, name)))
-            setattr(S, name, float(value))
-    return saved
+            raise ValueError(f"mleng.handbook.search has no numeric constant {name!r}")
+    return settings
 
 
-def restore(saved: list[tuple]) -> None:
-    for target, key, value in reversed(saved):
+def current(settings: list[tuple]) -> list[tuple]:
+    """The values the parsed settings would replace, in the same form."""
+    return [(t, k, t[k] if isinstance(t, dict) else getattr(t, k)) for t, k, _ in settings]
+
+
+def assign(settings: list[tuple]) -> None:
+    for target, key, value in settings:
         if isinstance(target, dict):
             target[key] = value
         else:
@@ -97,6 +105,10 @@ def main() -> int:
     parser.add_argument("variants", nargs="*", default=list(DEFAULT_VARIANTS))
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "handbook_param_sweep.json")
     args = parser.parse_args()
+    try:
+        variants = [(v, parse(v)) for v in args.variants]
+    except ValueError as error:
+        parser.error(f"{error} (e.g. BM25_K1=2.0 or COLUMN_WEIGHTS.seen=6)")
     started = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,12 +117,13 @@ def main() -> int:
             entries = snapshot(rev, Path(tmp) / rev)
             indexes.append((Path(path).name, rev, open_index(entries, Path(tmp) / f"{rev}.sqlite"),
                             yaml.safe_load((ROOT / path).read_text())))
-        for variant in ["shipped", *args.variants]:
-            saved = [] if variant == "shipped" else apply(variant)
+        for variant, settings in [("shipped", []), *variants]:
+            saved = current(settings)
+            assign(settings)
             try:
                 result = {name: covered_hits(index, cases) for name, _, index, cases in indexes}
             finally:
-                restore(saved)
+                assign(saved[::-1])
             rows.append({"variant": variant, "sets": result})
             cells = "  ".join(f"{r['hit_at_1']:3d}/{r['hit_at_3']:3d} of {r['covered']:3d}" for r in result.values())
             print(f"{variant:32s} {cells}", flush=True)
