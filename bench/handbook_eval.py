@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from mleng.handbook.index import open_index
-from mleng.handbook.search import search, words_only
+from mleng.handbook.search import accepted_ids, search, words_only
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -75,7 +75,7 @@ def measure_labelled(index, cases: list[dict]) -> dict:
     rows = []
     for case in cases:
         expected = case["expected"] if isinstance(case["expected"], list) else [case["expected"]]
-        accepted = {*expected, *case.get("also", [])}
+        accepted = accepted_ids(case)
         answer = search(index, case["query"], 3)
         got = [r["id"] for r in answer["results"]]
         position = next((i + 1 for i, rid in enumerate(got) if rid in accepted), None)

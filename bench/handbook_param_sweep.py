@@ -54,8 +54,7 @@ def covered_hits(index, cases: list[dict]) -> dict:
     ids = {e.id for e in index.entries}
     covered = []
     for case in cases:
-        expected = case["expected"] if isinstance(case["expected"], list) else [case["expected"]]
-        accepted = sorted({*expected, *case.get("also", [])} & ids)
+        accepted = sorted(S.accepted_ids(case) & ids)
         if accepted:
             covered.append({"query": case["query"], "expected": accepted})
     rows = S.evaluate(covered, index)["rows"]

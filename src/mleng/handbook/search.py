@@ -335,13 +335,18 @@ def ask(query: str, limit: int = 5, directory: Path | None = None) -> tuple[dict
         index.close()
 
 
+def accepted_ids(case: dict) -> set[str]:
+    """The entry ids that answer a labelled case ({"expected", "also"?}); `expected` is an id or a list of ids that
+    answer the query equally well."""
+    expected = case["expected"] if isinstance(case["expected"], list) else [case["expected"]]
+    return {*expected, *case.get("also", [])}
+
+
 def evaluate(cases: list[dict], index: Index, depth: int = 3) -> dict:
-    """hit@1 and hit@depth of the ranking over labelled cases ({"query", "expected", "also"?});
-    `expected` is an id or a list of ids that answer the query equally well."""
+    """hit@1 and hit@depth of the ranking over labelled cases ({"query", "expected", "also"?}, see accepted_ids)."""
     rows = []
     for case in cases:
-        expected = case["expected"] if isinstance(case["expected"], list) else [case["expected"]]
-        accepted = {*expected, *case.get("also", [])}
+        accepted = accepted_ids(case)
         ranked = [r["id"] for r in rank(index, case["query"], limit=depth)]
         position = next((i + 1 for i, rid in enumerate(ranked) if rid in accepted), None)
         rows.append({"query": case["query"], "expected": case["expected"], "got": ranked, "position": position,
