@@ -5,7 +5,7 @@ rate on out-of-scope sets; a frozen set is checked against its recorded sha256 b
     python bench/handbook_eval.py --set tests/handbook_devset.yaml --oos tests/handbook_oos_dev.yaml
 
 A frozen set's queries carry no entry ids (they were collected before the entries they judge); their
-labels live in tests/handbook_frozen11_labels.yaml, joined by source URL. Prints a table; writes JSON.
+labels live in tests/handbook_frozen12_labels.yaml, joined by source URL. Prints a table; writes JSON.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from mleng.handbook.search import accepted_ids, search, words_only
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
-FROZEN = TESTS / "handbook_frozen11.yaml"
+FROZEN = TESTS / "handbook_frozen12.yaml"
 FROZEN_OOS = TESTS / "handbook_oos_frozen.yaml"
-LABELS = TESTS / "handbook_frozen11_labels.yaml"
+LABELS = TESTS / "handbook_frozen12_labels.yaml"
 HASHES = TESTS / "handbook_frozen.sha256"
 
 
