@@ -394,6 +394,35 @@ def test_a_short_vague_query_gets_the_diagnosis_entry_first(tmp_path):
         index.close()
 
 
+DESCRIPTION = "after a good start my training loss becomes nan after some steps on both machines"
+
+
+def test_reports_break_near_ties_on_words_alone(book, tmp_path, monkeypatch):
+    """Two entries a description matches equally well in words: the one more real users reported (reports.json)
+    ranks first; a signature match and a short query (left to the general entries) are not moved by reports."""
+    from mleng.handbook import index as I
+
+    for entry_id in ("aaa-rarely-reported", "bbb-often-reported"):
+        write_entry(book, entry_id, title="Training loss becomes NaN after some steps",
+                    symptoms=["loss becomes nan after some steps"])
+    reports = tmp_path / "reports.json"
+    reports.write_text('{"bbb-often-reported": 12}\n')
+    monkeypatch.setattr(I, "REPORTS_PATH", reports)
+    index = open_index(book, tmp_path / "idx.sqlite")
+    try:
+        assert rank(index, DESCRIPTION)[0]["id"] == "bbb-often-reported"
+        assert rank(index, "loss becomes nan")[0]["id"] == "aaa-rarely-reported"
+        assert rank(index, "the aaa-rarely-reported failure happened")[0]["id"] == "aaa-rarely-reported"
+    finally:
+        index.close()
+    reports.write_text('{"aaa-rarely-reported": 12}\n')
+    index = open_index(book, tmp_path / "idx.sqlite")   # reports.json is part of the fingerprint
+    try:
+        assert rank(index, DESCRIPTION)[0]["id"] == "aaa-rarely-reported"
+    finally:
+        index.close()
+
+
 def test_a_query_holding_a_whole_two_word_symptom_line_finds_its_entry(tmp_path):
     """A two-word line ("KeyError: 'step'") has no word 3-gram to share; pasted whole, it still counts as a
     phrase and lifts the framework discount, so the entry listing it leads, above entries sharing one word."""

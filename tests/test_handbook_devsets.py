@@ -133,3 +133,14 @@ def test_frozen_sets_are_unchanged():
     assert "tests/handbook_oos_frozen.yaml" in recorded and "tests/handbook_frozen12.yaml" in recorded
     for name, digest in recorded.items():
         assert hashlib.sha256((ROOT / name).read_bytes()).hexdigest() == digest, f"{name} changed since frozen"
+
+
+def test_report_counts_are_current():
+    """src/mleng/handbook/reports.json counts the dev sets' threads per entry; a new or relabelled dev set
+    must be followed by `python scripts/handbook_reports.py`."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "handbook_reports.py"), "--check"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -13,8 +13,10 @@ from mleng.handbook import default_entries_dir
 from mleng.handbook.stem import stem
 
 # The layout of the cache file; the fingerprint also covers the code that fills it.
-INDEX_SCHEMA = 7
+INDEX_SCHEMA = 8
 INDEX_FILENAME = "handbook-index.sqlite"
+# Per entry id, how many real user threads of the dev sets had its cause (scripts/handbook_reports.py).
+REPORTS_PATH = Path(__file__).resolve().parent / "reports.json"
 FTS_COLUMNS = ("title", "symptoms", "signatures", "codes", "tags", "cause", "confirm", "fix", "seen", "body")
 
 
@@ -32,7 +34,7 @@ def fingerprint(directory: Path) -> str:
     comparing some 40 kB costs nothing, and `mleng ask` need not load OpenSSL for hashlib."""
     parts = [f"{__version__}|{INDEX_SCHEMA}|{directory.resolve()}"]
     here = Path(__file__).resolve().parent
-    for path in (here / "index.py", here / "terms.py", here / "model.py", here / "stem.py"):
+    for path in (here / "index.py", here / "terms.py", here / "model.py", here / "stem.py", REPORTS_PATH):
         stat = path.stat()
         parts.append(f"{path.name}:{stat.st_mtime_ns}:{stat.st_size}")
     try:
@@ -46,15 +48,18 @@ def fingerprint(directory: Path) -> str:
 class IndexedEntry:
     """What ranking reads of every entry on every query; the whole entry (`data`) is read on demand.
     (A plain class: `mleng ask` starts faster without importing dataclasses.)"""
-    __slots__ = ("rowid", "id", "category", "signatures", "tags", "codes", "anchors", "length", "index", "_data")
+    __slots__ = ("rowid", "id", "category", "signatures", "tags", "codes", "anchors", "length", "reports", "index",
+                 "_data")
 
     def __init__(self, rowid: int, id: str, category: str, signatures: list[str], tags: list[str],
-                 codes: list[str], anchors: list[list[str] | None], length: int, index: "Index | None" = None):
+                 codes: list[str], anchors: list[list[str] | None], length: int, reports: int = 0,
+                 index: "Index | None" = None):
         self.rowid, self.id, self.category = rowid, id, category
         self.signatures, self.tags = signatures, tags
         self.codes = codes          # canonical error codes from error_codes + symptoms
         self.anchors = anchors      # per signature: literals one of which a match contains, or None
         self.length = length        # tokens in all columns, for BM25's length normalisation
+        self.reports = reports      # real user threads with this cause in the dev sets (REPORTS_PATH)
         self.index = index
         self._data: dict | None = None
 
@@ -99,6 +104,14 @@ def _create_schema(conn: sqlite3.Connection) -> None:
         CREATE TABLE postings (term TEXT NOT NULL, rowid INTEGER NOT NULL, col INTEGER NOT NULL, tf INTEGER NOT NULL);
         CREATE TABLE skipped (file TEXT NOT NULL, field TEXT NOT NULL, message TEXT NOT NULL);
     """)
+
+
+def report_counts() -> dict[str, int]:
+    """REPORTS_PATH: entry id -> real user threads of the dev sets whose confirmed cause it is."""
+    try:
+        return json.loads(REPORTS_PATH.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def entry_codes(entry: dict) -> set[str]:
@@ -148,6 +161,7 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> 
     from mleng.handbook.model import load_entries
 
     entries, skipped = load_entries(directory)
+    reports = report_counts()
     _create_schema(conn)
     summary = []
     postings: list[tuple[str, int, int, int]] = []
@@ -163,7 +177,8 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> 
             rowid, entry.id, json.dumps(data), json.dumps(codes), json.dumps(anchors), length))
         postings.extend((term, rowid, col, tf) for term, col, tf in entry_postings(columns))
         shingles.extend((shingle, rowid) for shingle in sorted(shingle_set))
-        summary.append([rowid, entry.id, entry.category, entry.signatures, entry.tags, codes, anchors, length])
+        summary.append([rowid, entry.id, entry.category, entry.signatures, entry.tags, codes, anchors, length,
+                        reports.get(entry.id, 0)])
     conn.executemany("INSERT INTO postings VALUES (?, ?, ?, ?)", postings)
     conn.execute("CREATE INDEX postings_term ON postings (term)")
     conn.executemany("INSERT INTO shingles VALUES (?, ?)", shingles)

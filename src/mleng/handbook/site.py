@@ -77,7 +77,7 @@ SCRIPT = r"""
   var ENTRIES = D.entries.map(function (e) {
     return {rowid: e[0], id: e[1], title: e[2], category: e[3], tags: e[4],
             sigs: e[5].map(function (s) { return {re: new RegExp(s[0], s[1]), lit: s[2], anchor: s[3], src: s[4]}; }),
-            codes: e[6], shingles: new Set(e[7])};
+            codes: e[6], shingles: new Set(e[7]), reports: e[8]};
   });
   var LENGTHS = D.lengths, AVG = 0, NROWS = 0;
   Object.keys(LENGTHS).forEach(function (k) { AVG += LENGTHS[k]; NROWS += 1; });
@@ -248,7 +248,8 @@ SCRIPT = r"""
       var fw = FW.get(e.category);
       if (fw && !sig && !whole && !Array.from(fw).some(function (w) { return wordSet.has(w); })) { text *= C.other_framework_factor; phrase *= C.other_framework_factor; }
       var general = short && e.tags.indexOf('general') >= 0 ? C.general_weight * text : 0;
-      var score = text + sig + code + phrase + general;
+      var baseRate = short || sig || code ? 0 : C.report_weight * text * Math.log1p(e.reports);
+      var score = text + sig + code + phrase + general + baseRate;
       if (score > 0) scored.push([score, e, hits, shared, nph]);
     });
     scored.sort(function (a, b) { return b[0] - a[0] || (a[1].id < b[1].id ? -1 : a[1].id > b[1].id ? 1 : 0); });
@@ -421,9 +422,11 @@ def search_data(entries: list[dict]) -> dict:
     """What the page's search needs, compact: entries, postings, lengths, weights and the query-side rules."""
     from mleng.handbook import search as S
     from mleng.handbook import terms as T
-    from mleng.handbook.index import FTS_COLUMNS, entry_codes, entry_columns, entry_postings, symptom_terms
+    from mleng.handbook.index import (FTS_COLUMNS, entry_codes, entry_columns, entry_postings, report_counts,
+                                      symptom_terms)
 
     rows, postings, lengths, skipped = [], {}, {}, []
+    reports = report_counts()
     for rowid, e in enumerate(entries, start=1):
         lines = symptom_terms(e)
         columns = entry_columns(e, lines)
@@ -439,14 +442,15 @@ def search_data(entries: list[dict]) -> dict:
                 continue
             sigs.append([converted[0], converted[1], T.literal_length(pattern), T.regex_anchor(pattern), pattern])
         rows.append([rowid, e["id"], e["title"], e["category"], e["tags"], sigs, sorted(entry_codes(e)),
-                     sorted(shingle_set)])
+                     sorted(shingle_set), reports.get(e["id"], 0)])
     config = {"column_weights": [S.COLUMN_WEIGHTS[c] for c in FTS_COLUMNS], "k1": S.BM25_K1, "b": S.BM25_B,
               "signature_weight": S.SIGNATURE_WEIGHT, "max_signature_hits": S.MAX_SIGNATURE_HITS,
               "phrase_weight": S.PHRASE_WEIGHT, "phrase_saturation": S.PHRASE_SATURATION,
               "max_query_terms": S.MAX_QUERY_TERMS, "max_query_chars": S.MAX_QUERY_CHARS,
               "frame_weight": S.FRAME_WEIGHT, "aside_weight": S.ASIDE_WEIGHT,
               "short_query_terms": S.SHORT_QUERY_TERMS, "other_framework_factor": S.OTHER_FRAMEWORK_FACTOR,
-              "general_weight": S.GENERAL_WEIGHT, "specific_codes": list(S.SPECIFIC_CODE_KINDS),
+              "general_weight": S.GENERAL_WEIGHT, "report_weight": S.REPORT_WEIGHT,
+              "specific_codes": list(S.SPECIFIC_CODE_KINDS),
               "min_coverage": S.MIN_COVERAGE, "min_strong_idf": S.MIN_STRONG_IDF,
               "min_shared_phrases": S.MIN_SHARED_PHRASES, "high_coverage": S.HIGH_COVERAGE,
               "high_coverage_idf": S.HIGH_COVERAGE_IDF,

@@ -37,8 +37,9 @@ parse the output.
    cause against the log: on fresh real questions, most such answers named the wrong cause (README).
    The score is a sum: text relevance (0-1,
    relative to the best text match of this query) + up to 2 per matched signature (at most two) + error
-   codes (about 0.5-3 each, less when many entries share the code) + up to 1 for shared 3-word phrases;
-   scores compare results of one query, not across queries.
+   codes (about 0.5-3 each, less when many entries share the code) + up to 1 for shared 3-word phrases
+   + on words alone, a small base rate for causes many real users reported; scores compare results of one
+   query, not across queries.
 4. `mleng handbook show ID --json` prints one entry in full (including the body sections
    "What you see", "Why", "Confirm", "Fix"); `mleng handbook list --json [--category C]` lists ids.
 
