@@ -3,6 +3,7 @@ rate on out-of-scope sets; a frozen set is checked against its recorded sha256 b
 
     python bench/handbook_eval.py --frozen                 # the frozen held-out sets (once per release)
     python bench/handbook_eval.py --set tests/handbook_devset.yaml --oos tests/handbook_oos_dev.yaml
+    python bench/handbook_eval.py --frozen --report-weight 0 --out /tmp/x.json   # ablation: no base rate
 
 A frozen set's queries carry no entry ids (they were collected before the entries they judge); their
 labels live in tests/handbook_frozen12_labels.yaml, joined by source URL. Prints a table; writes JSON.
@@ -22,7 +23,8 @@ from pathlib import Path
 import yaml
 
 from mleng.handbook.index import open_index
-from mleng.handbook.search import accepted_ids, search, words_only
+import mleng.handbook.search
+from mleng.handbook.search import REPORT_WEIGHT, accepted_ids, search, words_only
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -114,7 +116,13 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], help="a labelled query set (repeatable)")
     parser.add_argument("--oos", action="append", default=[], help="an out-of-scope query set (repeatable)")
     parser.add_argument("--out", default=None, help="JSON output (default docs/results/handbook_eval[_frozen].json)")
+    parser.add_argument("--report-weight", type=float, default=None,
+                        help=f"weight of the entries' user reports, for an ablation (default {REPORT_WEIGHT})")
     args = parser.parse_args()
+    if args.report_weight is not None:
+        if not 0 <= args.report_weight <= 10:
+            parser.error(f"--report-weight {args.report_weight}: give a weight between 0 and 10")
+        mleng.handbook.search.REPORT_WEIGHT = args.report_weight
     sets = [Path(p) for p in args.set]
     oos_sets = [Path(p) for p in args.oos]
     digests = {}
@@ -129,7 +137,7 @@ def main() -> int:
         parser.error(f"no such query set: {', '.join(missing)} (the sets are tests/handbook_*.yaml)")
     cited = cited_urls()
     report = {"command": " ".join(["python", "bench/handbook_eval.py", *sys.argv[1:]]), "sha256": digests,
-              "sets": {}, "oos": {}}
+              "report_weight": mleng.handbook.search.REPORT_WEIGHT, "sets": {}, "oos": {}}
     with tempfile.TemporaryDirectory() as tmp:
         index = open_index(cache_path=Path(tmp) / "index.sqlite")
         report["entries"] = len(index.entries)
