@@ -7,7 +7,9 @@ cover with an entry of that snapshot, once with the shipped constants and once p
 
 A variant is NAME=VALUE (a constant of mleng.handbook.search) or DICT.KEY=VALUE (a key of one of its dicts), several
 joined by commas. Prints a table; writes JSON. The sets are dev sets now: a gain here says nothing about unseen
-queries, and a change that moves only a few hits either way is noise.
+queries, and a change that moves only a few hits either way is noise. The base rate's reports (reports.json) come from
+today's dev sets, these among them, so REPORT_WEIGHT variants are in-sample here; its out-of-sample record is each
+frozen set's own measurement (`--report-weight` of bench/handbook_eval.py, README).
 """
 
 from __future__ import annotations
@@ -32,13 +34,15 @@ ENTRIES = "src/mleng/handbook/entries"
 # (retired frozen set, the commit whose entries it was measured against)
 SNAPSHOTS = (("tests/handbook_devset9.yaml", "dd604c8"), ("tests/handbook_devset10.yaml", "e1eb0d1"),
              ("tests/handbook_devset11.yaml", "d369069"), ("tests/handbook_devset13.yaml", "b92a9d6"),
-             ("tests/handbook_devset14.yaml", "273f18b"))
+             ("tests/handbook_devset14.yaml", "273f18b"), ("tests/handbook_devset15.yaml", "c188077"),
+             ("tests/handbook_devset16.yaml", "1bc8b8d"))
 DEFAULT_VARIANTS = (
     "BM25_K1=0.8", "BM25_K1=2.0", "BM25_B=0.5", "BM25_B=0.9",
     "COLUMN_WEIGHTS.title=10", "COLUMN_WEIGHTS.symptoms=6", "COLUMN_WEIGHTS.symptoms=14", "COLUMN_WEIGHTS.seen=6",
     "COLUMN_WEIGHTS.cause=4", "COLUMN_WEIGHTS.fix=2", "COLUMN_WEIGHTS.body=0.3", "COLUMN_WEIGHTS.body=1.5",
     "PHRASE_WEIGHT=0.5", "PHRASE_WEIGHT=2", "SIGNATURE_WEIGHT=1", "SIGNATURE_WEIGHT=3",
     "OTHER_FRAMEWORK_FACTOR=0.5", "OTHER_FRAMEWORK_FACTOR=0.85", "FRAME_WEIGHT=0.25",
+    "REPORT_WEIGHT=0", "REPORT_WEIGHT=0.4",
 )
 
 

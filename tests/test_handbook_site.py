@@ -25,6 +25,7 @@ QUERY_SETS = ("handbook_devset.yaml", "handbook_devset2.yaml", "handbook_devset3
               "handbook_devset9.yaml", "handbook_devset10.yaml", "handbook_devset11.yaml",
               "handbook_devset12.yaml", "handbook_devset13.yaml", "handbook_devset14.yaml",
               "handbook_devset15.yaml",
+              "handbook_devset16.yaml",
               "handbook_oos_dev.yaml")
 
 
