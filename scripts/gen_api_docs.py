@@ -15,6 +15,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from generated import write_or_check
+
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "docs" / "api.md"
 
@@ -190,17 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when docs/api.md differs from the code")
     args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        current = OUTPUT.read_text() if OUTPUT.exists() else ""
-        if current != text:
-            print(f"{OUTPUT.relative_to(ROOT)} is stale: run python scripts/gen_api_docs.py", file=sys.stderr)
-            return 1
-        return 0
-    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
-    OUTPUT.write_text(text)
-    print(f"wrote {OUTPUT.relative_to(ROOT)}")
-    return 0
+    return write_or_check(OUTPUT, render(), ROOT, "python scripts/gen_api_docs.py", args.check)
 
 
 if __name__ == "__main__":

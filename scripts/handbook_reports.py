@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from generated import write_or_check
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "src" / "mleng" / "handbook" / "reports.json"
@@ -36,15 +37,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when the file is stale")
     args = parser.parse_args()
     text = json.dumps(counts(), indent=0, sort_keys=True) + "\n"
-    if args.check:
-        current = OUTPUT.read_text() if OUTPUT.exists() else ""
-        if current != text:
-            print(f"{OUTPUT.relative_to(ROOT)} is stale: run python scripts/handbook_reports.py", file=sys.stderr)
-            return 1
-        return 0
-    OUTPUT.write_text(text)
-    print(f"wrote {OUTPUT.relative_to(ROOT)}: {len(json.loads(text))} entries")
-    return 0
+    return write_or_check(OUTPUT, text, ROOT, "python scripts/handbook_reports.py", args.check)
 
 
 if __name__ == "__main__":
