@@ -1,7 +1,7 @@
 """Write src/mleng/handbook/reports.json from the dev sets: for each entry, how many of the real user threads
-in tests/handbook_devset*.yaml (counted once per thread) had its cause as their confirmed cause (a case naming several entries counts
-for each). Ranking uses it as a small base rate on matches of words alone: a cause many users hit is the
-better guess between two entries that match a vague description about as well. Frozen sets never count.
+in tests/handbook_devset*.yaml (each thread once) had its cause as their confirmed cause (a case naming several
+entries counts for each). Ranking uses it as a small base rate on matches of words alone: a cause many users hit
+is the better guess between two entries that match a vague description about as well. Frozen sets never count.
 
     python scripts/handbook_reports.py          # rewrite the file
     python scripts/handbook_reports.py --check  # exit 1 when it is stale (tests/test_handbook_devsets.py runs this)
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import yaml
+
 from generated import write_or_check
 
 ROOT = Path(__file__).resolve().parents[1]
