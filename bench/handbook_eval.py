@@ -41,13 +41,18 @@ def check_frozen(path: Path) -> str:
         digest, name = line.split()
         recorded[Path(name).name] = digest
     if not path.exists():
-        raise SystemExit(f"{path} does not exist: the last frozen set was retired to a dev set once measured, and the "
+        fail(f"{path} does not exist: the last frozen set was retired to a dev set once measured, and the "
                          "next one is collected before the work it judges (see the README's handbook quality notes)")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if recorded.get(path.name) != digest:
-        raise SystemExit(f"{path} changed since it was frozen (sha256 {digest}, recorded "
+        fail(f"{path} changed since it was frozen (sha256 {digest}, recorded "
                          f"{recorded.get(path.name)}): a frozen set is never edited")
     return digest
+
+
+def fail(message: str) -> None:
+    print(f"handbook_eval.py: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _normal(url: str) -> str:
@@ -61,7 +66,7 @@ def labelled_cases(path: Path) -> list[dict]:
         for case in cases:
             label = labels.get(_normal(case["source"]))
             if label is None:
-                raise SystemExit(f"no label for {case['source']} in {LABELS}")
+                fail(f"no label for {case['source']} in {LABELS}")
             case["expected"] = label["expected"]
     return cases
 
