@@ -26,6 +26,7 @@ QUERY_SETS = ("handbook_devset.yaml", "handbook_devset2.yaml", "handbook_devset3
               "handbook_devset12.yaml", "handbook_devset13.yaml", "handbook_devset14.yaml",
               "handbook_devset15.yaml",
               "handbook_devset16.yaml",
+              "handbook_devset17.yaml",
               "handbook_oos_dev.yaml")
 
 
