@@ -34,6 +34,11 @@ LABELS = TESTS / "handbook_frozen14_labels.yaml"
 HASHES = TESTS / "handbook_frozen.sha256"
 
 
+def fail(message: str) -> None:
+    print(f"handbook_eval.py: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def check_frozen(path: Path) -> str:
     """The file's sha256, after checking it equals the one recorded when the set was frozen."""
     recorded = {}
@@ -42,17 +47,12 @@ def check_frozen(path: Path) -> str:
         recorded[Path(name).name] = digest
     if not path.exists():
         fail(f"{path} does not exist: the last frozen set was retired to a dev set once measured, and the "
-                         "next one is collected before the work it judges (see the README's handbook quality notes)")
+             "next one is collected before the work it judges (see the README's handbook quality notes)")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if recorded.get(path.name) != digest:
         fail(f"{path} changed since it was frozen (sha256 {digest}, recorded "
-                         f"{recorded.get(path.name)}): a frozen set is never edited")
+             f"{recorded.get(path.name)}): a frozen set is never edited")
     return digest
-
-
-def fail(message: str) -> None:
-    print(f"handbook_eval.py: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def _normal(url: str) -> str:
