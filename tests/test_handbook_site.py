@@ -19,15 +19,8 @@ from mleng.handbook.site import index_page, search_data
 
 ENTRIES = default_entries_dir()
 TESTS = Path(__file__).parent
-# Every labelled query of the dev sets (never the frozen ones).
-QUERY_SETS = ("handbook_devset.yaml", "handbook_devset2.yaml", "handbook_devset3.yaml", "handbook_devset6.yaml",
-              "handbook_devset7.yaml", "handbook_devset8.yaml",
-              "handbook_devset9.yaml", "handbook_devset10.yaml", "handbook_devset11.yaml",
-              "handbook_devset12.yaml", "handbook_devset13.yaml", "handbook_devset14.yaml",
-              "handbook_devset15.yaml",
-              "handbook_devset16.yaml",
-              "handbook_devset17.yaml",
-              "handbook_oos_dev.yaml")
+# Every labelled query of the dev sets (never the frozen ones), and the out-of-scope dev queries.
+QUERY_SETS = tuple(sorted(p.name for p in TESTS.glob("handbook_devset*.yaml"))) + ("handbook_oos_dev.yaml",)
 
 
 def _queries() -> list[str]:
