@@ -60,9 +60,9 @@ def _timed(command: list[str], env: dict | None = None) -> tuple[float, float]:
     with tempfile.TemporaryFile() as out:
         started = time.perf_counter()
         proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.DEVNULL)
-        _pid, _status, usage = os.wait4(proc.pid, 0)
+        _pid, status, usage = os.wait4(proc.pid, 0)
         elapsed = time.perf_counter() - started
-    proc.returncode = os.waitstatus_to_exitcode(_status)
+    proc.returncode = os.waitstatus_to_exitcode(status)   # reaped here: Popen must not wait for it again
     return elapsed, usage.ru_maxrss / 1024
 
 

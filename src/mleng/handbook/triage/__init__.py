@@ -23,7 +23,7 @@ __all__ = ["CHUNK_BYTES", "MAX_LINE_BYTES", "MIN_BYTES_PER_WORKER", "MAX_EXAMPLE
            "check_text", "compression", "finding_to_dict", "open_log", "triage_compressed", "triage_file",
            "triage_stream"]
 
-CHUNK_BYTES = 2 << 20         # larger blocks are no faster and cost their size several times in RSS
+CHUNK_BYTES = 2 << 20          # larger blocks are no faster and cost their size several times in RSS
 MAX_LINE_BYTES = 1 << 20        # a longer "line" is examined in pieces of this size
 
 
