@@ -56,6 +56,25 @@ def snapshot(rev: str, into: Path) -> Path:
     return into / ENTRIES
 
 
+def open_snapshots(tmp: Path) -> list[tuple[str, str, object, list[dict]]]:
+    """(set file name, commit, index of that commit's entries, the set's cases) for each of SNAPSHOTS."""
+    opened = []
+    for path, rev in SNAPSHOTS:
+        entries = snapshot(rev, tmp / rev)
+        opened.append((Path(path).name, rev, open_index(entries, tmp / f"{rev}.sqlite"),
+                       yaml.safe_load((ROOT / path).read_text())))
+    return opened
+
+
+def write_result(out: Path, script: str, rows: list[dict], started: float) -> None:
+    """The JSON of a run over the snapshots, with the command that reproduces it."""
+    out.write_text(json.dumps({
+        "command": f"python bench/{script}" + "".join(f" {v}" for v in sys.argv[1:]),
+        "snapshots": [{"set": p, "entries_at": r} for p, r in SNAPSHOTS],
+        "rows": rows, "elapsed_s": round(time.perf_counter() - started, 1)}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 def covered_hits(index, cases: list[dict]) -> dict:
     """search.evaluate() over the cases whose labels name an entry of this snapshot, as counts."""
     ids = {e.id for e in index.entries}
@@ -118,11 +137,7 @@ def main() -> int:
     started = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        indexes = []
-        for path, rev in SNAPSHOTS:
-            entries = snapshot(rev, Path(tmp) / rev)
-            indexes.append((Path(path).name, rev, open_index(entries, Path(tmp) / f"{rev}.sqlite"),
-                            yaml.safe_load((ROOT / path).read_text())))
+        indexes = open_snapshots(Path(tmp))
         for variant, settings in [("shipped", []), *variants]:
             saved = current(settings)
             assign(settings)
@@ -137,11 +152,7 @@ def main() -> int:
             index.close()
     header = "  ".join(f"{name}@{rev}" for name, rev, _, _ in indexes)
     print(f"columns (covered cases, hit@1/hit@3): {header}")
-    args.out.write_text(json.dumps({
-        "command": "python bench/handbook_param_sweep.py" + "".join(f" {v}" for v in sys.argv[1:]),
-        "snapshots": [{"set": p, "entries_at": r} for p, r in SNAPSHOTS],
-        "rows": rows, "elapsed_s": round(time.perf_counter() - started, 1)}, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, "handbook_param_sweep.py", rows, started)
     return 0
 
 
