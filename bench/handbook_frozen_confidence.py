@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from mleng.handbook import search as S
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from handbook_param_sweep import ROOT, assign, current, open_snapshots, parse, write_result  # noqa: E402
+from handbook_eval import evidence  # noqa: E402
+from handbook_param_sweep import ROOT, open_snapshots, parse_variants, under_variants, write_result  # noqa: E402
 
 RANKS = (("1", 1), ("2-3", 3), ("4-10", 10), ("11-50", 50))
 
@@ -34,8 +34,7 @@ def measure(index, cases: list[dict]) -> dict:
     for case in cases:
         accepted = S.accepted_ids(case) & ids
         found = S.search(index, case["query"], 50)
-        results = found["results"]
-        position = next((i + 1 for i, r in enumerate(results) if r["id"] in accepted), None)
+        position = next((i + 1 for i, r in enumerate(found["results"]) if r["id"] in accepted), None)
         hit = position is not None and position <= 3
         out["queries"] += 1
         if accepted:
@@ -48,7 +47,7 @@ def measure(index, cases: list[dict]) -> dict:
             out["hits_at_3"] += 1
             out["confident_hits"] += found["confident"]
         if found["confident"]:
-            kind = "words" if S.words_only(results[0]["matched"]) else "signature or code"
+            kind = evidence(found)
             out["confident"][kind][0] += 1
             out["confident"][kind][1] += hit
     return out
@@ -87,31 +86,20 @@ def main() -> int:
     parser.add_argument("variants", nargs="*", default=[])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "handbook_frozen_confidence.json")
     args = parser.parse_args()
-    try:
-        variants = [(v, parse(v)) for v in args.variants]
-    except ValueError as error:
-        parser.error(f"{error} (e.g. MIN_COVERAGE=0.35)")
+    variants = parse_variants(parser, args.variants, "MIN_COVERAGE=0.35")
     started = time.perf_counter()
     rows = []
     print(f"{'set@entries':<34} {'qry':>4} {'cov':>4} {'sig right/conf':>14} {'words r/c':>9} {'no-entry conf':>13} "
           f"{'conf|hit':>6}   rank of the right entry: 1 2-3 4-10 11-50 beyond")
-    with tempfile.TemporaryDirectory() as tmp:
-        indexes = [(f"{name}@{rev}", index, cases) for name, rev, index, cases in open_snapshots(Path(tmp))]
-        for variant, settings in [("shipped", []), *variants]:
-            saved = current(settings)
-            assign(settings)
-            try:
-                per_set = {label: measure(index, cases) for label, index, cases in indexes}
-            finally:
-                assign(saved[::-1])
+    with open_snapshots() as indexes:
+        for variant, per_set in under_variants(
+                variants, lambda: {f"{name}@{rev}": measure(index, cases) for name, rev, index, cases in indexes}):
             total = pooled(per_set)
             rows.append({"variant": variant, "sets": per_set, "pooled": total})
             print(f"-- {variant}")
             for label, counts in per_set.items():
                 print(line(label, counts))
             print(line("pooled", total), flush=True)
-        for _, index, _ in indexes:
-            index.close()
     write_result(args.out, "handbook_frozen_confidence.py", rows, started)
     return 0
 

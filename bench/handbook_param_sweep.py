@@ -21,6 +21,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from contextlib import contextmanager
 from io import BytesIO
 from pathlib import Path
 
@@ -56,14 +57,21 @@ def snapshot(rev: str, into: Path) -> Path:
     return into / ENTRIES
 
 
-def open_snapshots(tmp: Path) -> list[tuple[str, str, object, list[dict]]]:
-    """(set file name, commit, index of that commit's entries, the set's cases) for each of SNAPSHOTS."""
-    opened = []
-    for path, rev in SNAPSHOTS:
-        entries = snapshot(rev, tmp / rev)
-        opened.append((Path(path).name, rev, open_index(entries, tmp / f"{rev}.sqlite"),
-                       yaml.safe_load((ROOT / path).read_text())))
-    return opened
+@contextmanager
+def open_snapshots():
+    """(set file name, commit, index of that commit's entries, the set's cases) for each of SNAPSHOTS; the
+    indexes are closed and their files removed on exit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        opened = []
+        try:
+            for path, rev in SNAPSHOTS:
+                entries = snapshot(rev, Path(tmp) / rev)
+                opened.append((Path(path).name, rev, open_index(entries, Path(tmp) / f"{rev}.sqlite"),
+                               yaml.safe_load((ROOT / path).read_text())))
+            yield opened
+        finally:
+            for _, _, index, _ in opened:
+                index.close()
 
 
 def write_result(out: Path, script: str, rows: list[dict], started: float) -> None:
@@ -125,31 +133,41 @@ def assign(settings: list[tuple]) -> None:
             setattr(target, key, value)
 
 
+def parse_variants(parser: argparse.ArgumentParser, variants: list[str], example: str) -> list[tuple[str, list]]:
+    """(variant, parsed settings) for each; a wrong one is the parser's usage error."""
+    try:
+        return [(v, parse(v)) for v in variants]
+    except ValueError as error:
+        parser.error(f"{error} (e.g. {example})")
+
+
+def under_variants(variants: list[tuple[str, list]], measure):
+    """(variant, measure()) with the shipped constants first, then with each variant's settings in place;
+    the shipped values are restored after each."""
+    for variant, settings in [("shipped", []), *variants]:
+        saved = current(settings)
+        assign(settings)
+        try:
+            result = measure()
+        finally:
+            assign(saved[::-1])
+        yield variant, result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variants", nargs="*", default=list(DEFAULT_VARIANTS))
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "handbook_param_sweep.json")
     args = parser.parse_args()
-    try:
-        variants = [(v, parse(v)) for v in args.variants]
-    except ValueError as error:
-        parser.error(f"{error} (e.g. BM25_K1=2.0 or COLUMN_WEIGHTS.seen=6)")
+    variants = parse_variants(parser, args.variants, "BM25_K1=2.0 or COLUMN_WEIGHTS.seen=6")
     started = time.perf_counter()
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        indexes = open_snapshots(Path(tmp))
-        for variant, settings in [("shipped", []), *variants]:
-            saved = current(settings)
-            assign(settings)
-            try:
-                result = {name: covered_hits(index, cases) for name, _, index, cases in indexes}
-            finally:
-                assign(saved[::-1])
+    with open_snapshots() as indexes:
+        for variant, result in under_variants(
+                variants, lambda: {name: covered_hits(index, cases) for name, _, index, cases in indexes}):
             rows.append({"variant": variant, "sets": result})
             cells = "  ".join(f"{r['hit_at_1']:3d}/{r['hit_at_3']:3d} of {r['covered']:3d}" for r in result.values())
             print(f"{variant:32s} {cells}", flush=True)
-        for _, _, index, _ in indexes:
-            index.close()
     header = "  ".join(f"{name}@{rev}" for name, rev, _, _ in indexes)
     print(f"columns (covered cases, hit@1/hit@3): {header}")
     write_result(args.out, "handbook_param_sweep.py", rows, started)
