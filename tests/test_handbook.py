@@ -292,6 +292,16 @@ def test_error_codes_canonical_forms():
     assert "nccl error 2" in T.error_codes("NCCL error: unhandled system error, NCCL version 2.18.1")
 
 
+def test_domain_words_take_in_other_frameworks_and_gpu_names():
+    """A TensorFlow, Keras or JAX question, or one naming the GPU, is in the handbook's world (it may be answered
+    confidently on words); chit-chat is not."""
+    tf_query = T.terms("MultiWorker Mirrored strategy fails to start with TF_CONFIG")
+    assert {"tf", "strategy"} & T.domain_words(tf_query) == {"tf"}
+    assert "keras" in T.domain_words(T.terms("keras model.fit freezes after the first epoch"))
+    assert "v100" in T.domain_words(T.terms("one of four V100 is capped to 150W"))
+    assert not T.domain_words(T.terms("hello world, how are you today"))
+
+
 def test_ask_json_contract_and_hostile_queries(book, run_mleng):
     write_entry(book, "first-entry")
     write_entry(book, "second-entry")

@@ -152,7 +152,8 @@ def _token_terms(token: str) -> tuple[str, ...]:
     return (token,)
 
 
-# Words that put a query in the handbook's world: training models on GPUs and the software around it.
+# Words that put a query in the handbook's world: training models on GPUs and the software around it,
+# other frameworks and accelerators included (the handbook answers TensorFlow, JAX, MLX, XPU, MPS ones too).
 # A query with none of them (a Python TypeError, a web server's 502, chit-chat) may share words with
 # an entry, but the entry is not its answer: without one, `mleng ask` is never confident on words alone.
 DOMAIN_WORDS = frozenset("""
@@ -168,6 +169,8 @@ torchrun elastic rendezvous c10d slurm srun sbatch salloc squeue scontrol kubern
 compile dynamo inductor triton cudagraph cudagraphs attention flash sdpa xformers kernel kernels
 memory oom allocator vram hbm shm dev inference vllm safetensors pickle mfu tflops flops throughput
 dtensor aten sharding mpirun openmpi ompi jax jaxlib trl loraconfig peftmodel peftconfig
+tensorflow tf keras horovod mxnet paddle paddlepaddle mlx mps xpu ipex oneapi flax optax orbax
+geforce rtx gtx quadro tesla v100 a6000 a10g l40s mi250 mi250x mi210 gaudi hpu habana neuron trainium
 """.split())
 
 
