@@ -94,10 +94,6 @@ class Index:
 
 
 def _create_schema(conn: sqlite3.Connection) -> None:
-    # A fresh temporary file that replaces the cache only once complete: a crash mid-fill loses nothing,
-    # so the rollback journal and fsyncs buy nothing here.
-    conn.execute("PRAGMA journal_mode = OFF")
-    conn.execute("PRAGMA synchronous = OFF")
     conn.executescript(f"""
         CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
         CREATE TABLE entries (rowid INTEGER PRIMARY KEY, id TEXT UNIQUE NOT NULL, data TEXT NOT NULL,
@@ -241,6 +237,10 @@ def open_index(directory: Path | None = None, cache_path: Path | None = None) ->
     try:
         conn = sqlite3.connect(tmp_name)
         try:
+            # The temporary file replaces the cache only once complete: a crash mid-fill loses nothing,
+            # so the rollback journal and fsyncs buy nothing here.
+            conn.execute("PRAGMA journal_mode = OFF")
+            conn.execute("PRAGMA synchronous = OFF")
             _fill(conn, directory, current)
         finally:
             conn.close()
