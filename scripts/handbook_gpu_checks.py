@@ -745,6 +745,24 @@ CHECKS = [
           """,
           expect_rc="zero"),
 
+    check("torch-cublas-workspace-memory-allocated-not-zero",
+          "After one CUDA matmul and deleting every tensor, memory_allocated() stays above 0 (the cached cuBLAS "
+          "workspace, 32 MiB on compute capability 9.0); torch._C._cuda_clearCublasWorkspaces() brings it to 0.",
+          """
+          import torch
+          a = torch.randn(256, 256, device="cuda")
+          b = a @ a
+          torch.cuda.synchronize()
+          del a, b
+          torch.cuda.empty_cache()
+          left = torch.cuda.memory_allocated()
+          torch._C._cuda_clearCublasWorkspaces()
+          after = torch.cuda.memory_allocated()
+          print(f"memory_allocated after del and empty_cache: {left}, after clearing cuBLAS workspaces: {after}")
+          assert left > 0 and after == 0
+          """,
+          expect_rc="zero"),
+
     check("cuda-launch-blocking-left-set",
           "CUDA_LAUNCH_BLOCKING=1 makes a loop of small kernels slower, at least 1.2x per kernel (each launch waits for "
           "the GPU).",
