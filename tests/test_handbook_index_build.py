@@ -1,0 +1,63 @@
+"""The index rebuild splits its work over two processes where it can: the index it writes must be the one a
+serial build writes, skipped files and duplicate ids included."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import threading
+
+import pytest
+
+from mleng.handbook import default_entries_dir
+from mleng.handbook import index as I
+from mleng.handbook.model import entry_files, load_entries
+
+TABLES = {"entries": "rowid", "postings": "term, rowid, col", "shingles": "shingle, rowid", "meta": "key",
+          "skipped": "file"}
+
+
+def dump(path) -> dict:
+    conn = sqlite3.connect(path)
+    try:
+        return {table: conn.execute(f"SELECT * FROM {table} ORDER BY {order}").fetchall()
+                for table, order in TABLES.items()}
+    finally:
+        conn.close()
+
+
+def build(directory, cache, monkeypatch, min_files: int) -> dict:
+    monkeypatch.setattr(I, "PARALLEL_MIN_FILES", min_files)
+    I.open_index(directory, cache).close()
+    return dump(cache)
+
+
+needs_two_cores = pytest.mark.skipif((os.cpu_count() or 1) < 2 or threading.active_count() > 1,
+                                     reason="the parallel rebuild runs only on two or more cores and with no other thread")
+
+
+@needs_two_cores
+def test_parallel_rebuild_writes_the_serial_index(tmp_path, monkeypatch):
+    serial = build(default_entries_dir(), tmp_path / "serial.sqlite", monkeypatch, 10**9)
+    parallel = build(default_entries_dir(), tmp_path / "parallel.sqlite", monkeypatch, 0)
+    assert len(serial["entries"]) == len(entry_files(default_entries_dir()))
+    assert parallel == serial
+
+
+@needs_two_cores
+def test_parallel_rebuild_skips_what_load_entries_skips(tmp_path, monkeypatch):
+    entries = tmp_path / "entries"
+    entries.mkdir()
+    for path in entry_files(default_entries_dir())[:40]:
+        shutil.copy(path, entries / path.name)
+    first = sorted(entries.glob("*.md"))
+    (entries / "zz-broken.md").write_text("---\nid: [not closed\n---\n")
+    (entries / "zz-duplicate.md").write_text(first[0].read_text())   # the same id in a later file
+    serial = build(entries, tmp_path / "serial.sqlite", monkeypatch, 10**9)
+    parallel = build(entries, tmp_path / "parallel.sqlite", monkeypatch, 0)
+    assert parallel == serial
+    loaded, skipped = load_entries(entries)
+    assert [row[1] for row in parallel["entries"]] == [e.id for e in loaded]
+    assert [row[0] for row in parallel["skipped"]] == sorted(e.file for e in skipped)
+    assert {row[0] for row in parallel["skipped"]} == {str(entries / "zz-broken.md"), str(entries / "zz-duplicate.md")}
