@@ -187,7 +187,7 @@ def _all_entry_rows(paths: list[Path]) -> list[tuple]:
     """_entry_rows of every file; on two or more cores a forked process does the second half, which
     takes a rebuild of ~2000 entries from about 3 s to about 2 s. Serial where forking is not safe
     or not possible (no fork, one core, other threads running, a daemonic process such as a DataLoader
-    worker); the result is the same either way."""
+    worker), and for the second half when the helper dies; the result is the same either way."""
     import threading
 
     if len(paths) < PARALLEL_MIN_FILES or (os.cpu_count() or 1) < 2 or threading.active_count() > 1:
@@ -196,14 +196,21 @@ def _all_entry_rows(paths: list[Path]) -> list[tuple]:
 
     if "fork" not in multiprocessing.get_all_start_methods() or multiprocessing.current_process().daemon:
         return _entry_rows(paths)
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
     half = len(paths) // 2
     try:
-        pool = multiprocessing.get_context("fork").Pool(1, initializer=_ignore_sigint)
-    except OSError:
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"), initializer=_ignore_sigint)
+        second = pool.submit(_entry_rows, paths[half:])
+    except (OSError, BrokenProcessPool):
         return _entry_rows(paths)
     with pool:
-        second = pool.apply_async(_entry_rows, (paths[half:],))
-        return _entry_rows(paths[:half]) + second.get()
+        first = _entry_rows(paths[:half])
+        try:
+            return first + second.result()
+        except BrokenProcessPool:   # the helper was killed (out of memory, a signal): do its half here
+            return first + _entry_rows(paths[half:])
 
 
 def _ignore_sigint() -> None:
@@ -214,7 +221,7 @@ def _ignore_sigint() -> None:
 
 
 def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> None:
-    from mleng.handbook.model import EntryError, entry_files
+    from mleng.handbook.model import EntryError, duplicate_id, entry_files
 
     rows = _all_entry_rows(entry_files(directory))
     reports = report_counts()
@@ -230,9 +237,8 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> 
             skipped.append(EntryError(*row[1:]))
             continue
         entry_id, data, codes, anchors, length, entry_terms, entry_shingles = row
-        if entry_id in seen:   # the first file in name order keeps the id, as in model.load_entries
-            skipped.append(EntryError(data["path"], "id",
-                                      f"id {entry_id!r} is used by another entry; ids must be unique"))
+        if entry_id in seen:
+            skipped.append(duplicate_id(data["path"], entry_id))
             continue
         seen.add(entry_id)
         rowid += 1

@@ -178,6 +178,11 @@ def parse_entry(path: Path) -> Entry:
     return entry_from_meta(meta, body, file)
 
 
+def duplicate_id(file: str, entry_id: str) -> EntryError:
+    """A later file (in name order) that reuses an id: skipped, the first keeps it."""
+    return EntryError(file, "id", f"id {entry_id!r} is used by another entry; ids must be unique")
+
+
 def load_entries(directory: Path | None = None) -> tuple[list[Entry], list[EntryError]]:
     """Every usable entry in the directory, and the files that were skipped with why."""
     directory = Path(directory) if directory is not None else default_entries_dir()
@@ -191,7 +196,7 @@ def load_entries(directory: Path | None = None) -> tuple[list[Entry], list[Entry
             skipped.append(exc)
             continue
         if entry.id in seen:
-            skipped.append(EntryError(str(path), "id", f"id {entry.id!r} is used by another entry; ids must be unique"))
+            skipped.append(duplicate_id(str(path), entry.id))
             continue
         seen.add(entry.id)
         entries.append(entry)
