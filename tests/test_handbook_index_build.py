@@ -61,3 +61,25 @@ def test_parallel_rebuild_skips_what_load_entries_skips(tmp_path, monkeypatch):
     assert [row[1] for row in parallel["entries"]] == [e.id for e in loaded]
     assert [row[0] for row in parallel["skipped"]] == sorted(e.file for e in skipped)
     assert {row[0] for row in parallel["skipped"]} == {str(entries / "zz-broken.md"), str(entries / "zz-duplicate.md")}
+
+
+PARENT = os.getpid()
+_serial_rows = I._entry_rows
+
+
+def _rows_or_die(paths):
+    """_entry_rows in the parent; in the forked helper, the helper is killed as the OOM killer would."""
+    if os.getpid() != PARENT:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _serial_rows(paths)
+
+
+@needs_two_cores
+def test_a_killed_helper_costs_time_not_entries(monkeypatch):
+    paths = entry_files(default_entries_dir())
+    monkeypatch.setattr(I, "PARALLEL_MIN_FILES", 0)
+    monkeypatch.setattr(I, "_entry_rows", _rows_or_die)
+    rows = I._all_entry_rows(paths)
+    assert [row[0] for row in rows] == [row[0] for row in _serial_rows(paths)]
