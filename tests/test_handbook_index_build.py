@@ -82,4 +82,4 @@ def test_a_killed_helper_costs_time_not_entries(monkeypatch):
     monkeypatch.setattr(I, "PARALLEL_MIN_FILES", 0)
     monkeypatch.setattr(I, "_entry_rows", _rows_or_die)
     rows = I._all_entry_rows(paths)
-    assert [row[0] for row in rows] == [row[0] for row in _serial_rows(paths)]
+    assert rows == _serial_rows(paths)

@@ -157,25 +157,25 @@ def entry_postings(columns: list[list[str]]) -> list[tuple[str, int, int]]:
     return out
 
 
-def _entry_rows(paths: list[Path]) -> list[tuple]:
-    """The Python work of a rebuild, per entry file in order: (id, data, codes, anchors, length, postings,
-    shingles), or (None, file, field, message) for a file that cannot be used."""
+def _entry_rows(paths: list[Path]) -> list:
+    """The Python work of a rebuild, per entry file in order: (file, id, (data, codes, anchors, length, postings,
+    shingles)), or the EntryError of a file that cannot be used (model.first_of_each_id's input)."""
     from mleng.handbook.model import EntryError, parse_entry
 
-    rows: list[tuple] = []
+    rows: list = []
     for path in paths:
         try:
             entry = parse_entry(path)
         except EntryError as exc:
-            rows.append((None, exc.file, exc.field, exc.message))
+            rows.append(exc)
             continue
         data = entry.to_dict()
         lines = symptom_terms(data)
         columns = entry_columns(data, lines)
         shingles = sorted(T.entry_shingles(columns[FTS_COLUMNS.index("title")], lines))
         anchors = [T.regex_anchor(s) for s in entry.signatures]
-        rows.append((entry.id, data, sorted(entry_codes(data)), anchors, sum(len(words) for words in columns),
-                     entry_postings(columns), shingles))
+        rows.append((str(path), entry.id, (data, sorted(entry_codes(data)), anchors,
+                                           sum(len(words) for words in columns), entry_postings(columns), shingles)))
     return rows
 
 
@@ -183,7 +183,7 @@ def _entry_rows(paths: list[Path]) -> list[tuple]:
 PARALLEL_MIN_FILES = 400
 
 
-def _all_entry_rows(paths: list[Path]) -> list[tuple]:
+def _all_entry_rows(paths: list[Path]) -> list:
     """_entry_rows of every file; on two or more cores a forked process does the second half, which
     takes a rebuild of ~2000 entries from about 3 s to about 2 s. Serial where forking is not safe
     or not possible (no fork, one core, other threads running, a daemonic process such as a DataLoader
@@ -221,27 +221,16 @@ def _ignore_sigint() -> None:
 
 
 def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> None:
-    from mleng.handbook.model import EntryError, duplicate_id, entry_files
+    from mleng.handbook.model import entry_files, first_of_each_id
 
-    rows = _all_entry_rows(entry_files(directory))
+    rows, skipped = first_of_each_id(_all_entry_rows(entry_files(directory)))
     reports = report_counts()
     _create_schema(conn)
     summary = []
-    skipped: list[EntryError] = []
-    seen: set[str] = set()
     postings: list[tuple[str, int, int, int]] = []
     shingles: list[tuple[str, int]] = []
-    rowid = 0
-    for row in rows:
-        if row[0] is None:
-            skipped.append(EntryError(*row[1:]))
-            continue
-        entry_id, data, codes, anchors, length, entry_terms, entry_shingles = row
-        if entry_id in seen:
-            skipped.append(duplicate_id(data["path"], entry_id))
-            continue
-        seen.add(entry_id)
-        rowid += 1
+    for rowid, (data, codes, anchors, length, entry_terms, entry_shingles) in enumerate(rows, start=1):
+        entry_id = data["id"]
         conn.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", (
             rowid, entry_id, json.dumps(data), json.dumps(codes), json.dumps(anchors), length))
         postings.extend((term, rowid, col, tf) for term, col, tf in entry_terms)

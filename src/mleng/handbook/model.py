@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -33,6 +34,10 @@ class EntryError(Exception):
         self.file = file
         self.field = field_name
         self.message = message
+
+    def __reduce__(self):
+        # An index rebuild's helper process sends its unusable files back to the parent.
+        return EntryError, (self.file, self.field, self.message)
 
 
 @dataclass
@@ -178,26 +183,34 @@ def parse_entry(path: Path) -> Entry:
     return entry_from_meta(meta, body, file)
 
 
-def duplicate_id(file: str, entry_id: str) -> EntryError:
-    """A later file (in name order) that reuses an id: skipped, the first keeps it."""
-    return EntryError(file, "id", f"id {entry_id!r} is used by another entry; ids must be unique")
+def first_of_each_id(results: Iterable) -> tuple[list, list[EntryError]]:
+    """Per entry file in name order, an EntryError or (file, id, value): the values of the first file with each
+    id, and the files skipped with why (unusable, or a later file reusing an id)."""
+    kept: list = []
+    skipped: list[EntryError] = []
+    seen: set[str] = set()
+    for result in results:
+        if isinstance(result, EntryError):
+            skipped.append(result)
+            continue
+        file, entry_id, value = result
+        if entry_id in seen:
+            skipped.append(EntryError(file, "id", f"id {entry_id!r} is used by another entry; ids must be unique"))
+            continue
+        seen.add(entry_id)
+        kept.append(value)
+    return kept, skipped
 
 
 def load_entries(directory: Path | None = None) -> tuple[list[Entry], list[EntryError]]:
     """Every usable entry in the directory, and the files that were skipped with why."""
     directory = Path(directory) if directory is not None else default_entries_dir()
-    entries: list[Entry] = []
-    skipped: list[EntryError] = []
-    seen: set[str] = set()
-    for path in entry_files(directory):
-        try:
-            entry = parse_entry(path)
-        except EntryError as exc:
-            skipped.append(exc)
-            continue
-        if entry.id in seen:
-            skipped.append(duplicate_id(str(path), entry.id))
-            continue
-        seen.add(entry.id)
-        entries.append(entry)
-    return entries, skipped
+    return first_of_each_id(_parsed(path) for path in entry_files(directory))
+
+
+def _parsed(path: Path):
+    try:
+        entry = parse_entry(path)
+    except EntryError as exc:
+        return exc
+    return str(path), entry.id, entry
