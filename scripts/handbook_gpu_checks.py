@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRIES = ROOT / "src" / "mleng" / "handbook" / "entries"
+sys.path.insert(0, str(ROOT / "src"))   # mleng of this checkout, installed or not (entries are read with its parser)
 RUN_BUDGET_S = 450
 TAIL_LINES = 40
 
@@ -858,14 +859,15 @@ CHECKS = [
 
 
 def signatures_of(entry_id, yaml):
-    """The entry's signature regexes, or None when they cannot be read."""
+    """The entry's signature regexes as mleng's own parser reads them, or None when they cannot be read."""
     if yaml is None:
         return None
-    path = ENTRIES / f"{entry_id}.md"
-    if not path.exists():
+    from mleng.handbook.model import EntryError, parse_entry
+
+    try:
+        return parse_entry(ENTRIES / f"{entry_id}.md").signatures
+    except EntryError:
         return None
-    front = path.read_text().split("---")[1]
-    return yaml.safe_load(front).get("signatures") or []
 
 
 def match_signatures(signatures, lines):
