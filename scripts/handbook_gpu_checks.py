@@ -1011,7 +1011,7 @@ def main() -> int:
     if args.only:
         unknown = sorted(set(args.only) - {c["id"] for c in CHECKS})
         if unknown:
-            print(f"no check for: {', '.join(unknown)}", file=sys.stderr)
+            print(f"no check for: {', '.join(unknown)} (--list names the checks)", file=sys.stderr)
             return 2
         checks = [c for c in CHECKS if c["id"] in args.only]
     if args.list:
