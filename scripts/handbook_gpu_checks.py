@@ -537,8 +537,8 @@ CHECKS = [
           env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
 
     check("sdpa-efficient-attention-stride0-kv-wrong-output",
-          "On torch 2.11 the memory-efficient SDPA kernel is wrong for expand()ed (stride-0) bf16 K/V with a mask "
-          "and kv_len 33, while contiguous K/V are right.",
+          "The memory-efficient SDPA kernel is wrong for expand()ed (stride-0) bf16 K/V with a mask and kv_len 33, "
+          "while contiguous K/V are right (reported on torch 2.12.0; a release without the fault is inconclusive).",
           """
           import torch, torch.nn.functional as F
           from torch.nn.attention import sdpa_kernel, SDPBackend
@@ -555,6 +555,8 @@ CHECKS = [
               ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
           bad, good = (strided - ref).abs().max().item(), (packed - ref).abs().max().item()
           print(f"k.stride() {k.stride()}; max |diff| to fp32 math: stride-0 K/V {bad:.4f}, contiguous K/V {good:.4f}")
+          if good < 0.05 and bad <= 0.05 and tuple(map(int, torch.__version__.split(".")[:2])) < (2, 12):
+              print(f"INCONCLUSIVE: not reproduced on torch {torch.__version__}; the report is on 2.12.0")
           assert good < 0.05 and bad > 0.05
           """,
           expect_rc="zero"),
