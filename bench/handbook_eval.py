@@ -62,6 +62,9 @@ def _normal(url: str) -> str:
 def labelled_cases(path: Path) -> list[dict]:
     cases = yaml.safe_load(path.read_text())
     if path == FROZEN:
+        if not LABELS.exists():
+            fail(f"{LABELS} does not exist: a frozen set is measured once its labels are committed, "
+                 "assigned from the entries' text without running the search")
         labels = {_normal(x["source"]): x for x in yaml.safe_load(LABELS.read_text())}
         for case in cases:
             label = labels.get(_normal(case["source"]))
