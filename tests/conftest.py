@@ -41,3 +41,16 @@ def index_home(tmp_path_factory):
     subprocess.run([sys.executable, "-c", "from mleng.handbook.index import open_index; open_index().close()"],
                    check=True, env=dict(os.environ, MLENG_HOME=str(path)), timeout=120)
     return path
+
+
+@pytest.fixture(scope="session")
+def dev_index(tmp_path_factory):
+    """One fresh index of the checkout's entries for the dev-set tests (a rebuild takes seconds); they only read it."""
+    from pathlib import Path
+
+    from mleng.handbook.index import open_index
+
+    entries = Path(__file__).resolve().parents[1] / "src" / "mleng" / "handbook" / "entries"
+    index = open_index(entries, tmp_path_factory.mktemp("dev-index") / "idx.sqlite")
+    yield index
+    index.close()

@@ -495,13 +495,9 @@ def test_devset_is_real_and_labelled():
             assert other in ids, other
 
 
-def test_search_quality_on_devset(tmp_path):
+def test_search_quality_on_devset(dev_index):
     cases = yaml.safe_load((ROOT / "tests" / "handbook_devset.yaml").read_text())
-    index = open_index(ENTRIES, tmp_path / "idx.sqlite")
-    try:
-        result = evaluate(cases, index, depth=3)
-    finally:
-        index.close()
+    result = evaluate(cases, dev_index, depth=3)
     misses = [f"{r['expected']} <- {r['query'][:80]} (got {r['got']})" for r in result["rows"] if not r["position"]]
     assert result["hit_at_3"] >= 0.9, "\n".join(misses)
 

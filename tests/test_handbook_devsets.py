@@ -34,21 +34,22 @@ def test_devset2_is_real_new_and_labelled():
     assert len({c["query"] for c in cases}) == len(cases), "duplicate queries"
 
 
-def search_quality(name: str, cases: list[dict], tmp_path) -> tuple[dict, str]:
-    """hit@1/hit@3 of `mleng ask` on a dev set over a fresh index, printed, and its top-3 misses as one text."""
-    index = open_index(ENTRIES, tmp_path / "idx.sqlite")
-    try:
-        result = evaluate(cases, index, depth=3)
-    finally:
-        index.close()
+@pytest.fixture(scope="module")
+def entry_ids():
+    return {e.id for e in load_entries(ENTRIES)[0]}
+
+
+def search_quality(name: str, cases: list[dict], index) -> tuple[dict, str]:
+    """hit@1/hit@3 of `mleng ask` on a dev set, printed, and its top-3 misses as one text."""
+    result = evaluate(cases, index, depth=3)
     print(f"\n{name}: {result['cases']} queries, hit@1 {result['hit_at_1']:.3f}, hit@3 {result['hit_at_3']:.3f}")
     misses = [f"{'/'.join(_expected(c))} <- {r['query'][:80]!r} (got {r['got']})"
               for c, r in zip(cases, result["rows"]) if not r["position"]]
     return result, "\n".join(misses)
 
 
-def test_search_quality_on_devset2(tmp_path):
-    result, misses = search_quality("dev set 2", yaml.safe_load(DEVSET2.read_text()), tmp_path)
+def test_search_quality_on_devset2(dev_index):
+    result, misses = search_quality("dev set 2", yaml.safe_load(DEVSET2.read_text()), dev_index)
     assert result["hit_at_3"] >= 0.9, misses
 
 
@@ -110,11 +111,11 @@ RETIRED = {  # frozen held-out sets retired to dev sets: (file, queries, covered
 
 
 @pytest.mark.parametrize("name", sorted(RETIRED))
-def test_retired_frozen_set_labels_name_entries(name):
+def test_retired_frozen_set_labels_name_entries(name, entry_ids):
     """A retired frozen set keeps all its queries; every label is an entry; [] marks a cause no entry covers."""
     path, size, _ = RETIRED[name]
     cases = yaml.safe_load(path.read_text())
-    ids = {e.id for e in load_entries(ENTRIES)[0]}
+    ids = entry_ids
     assert len(cases) == size and len({c["source"] for c in cases}) == size
     for case in cases:
         assert case["source"].startswith("https://") and case["cause"].strip(), case
@@ -124,10 +125,10 @@ def test_retired_frozen_set_labels_name_entries(name):
 
 
 @pytest.mark.parametrize("name", sorted(RETIRED))
-def test_search_quality_on_retired_frozen_set_covered(name, tmp_path):
+def test_search_quality_on_retired_frozen_set_covered(name, dev_index):
     path, _, floor = RETIRED[name]
     covered = [c for c in yaml.safe_load(path.read_text()) if c["expected"]]
-    result, misses = search_quality(f"{name} (covered cases)", covered, tmp_path)
+    result, misses = search_quality(f"{name} (covered cases)", covered, dev_index)
     assert result["hit_at_3"] >= floor, misses
 
 
