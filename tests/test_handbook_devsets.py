@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mleng.handbook.index import open_index
 from mleng.handbook.model import load_entries
 from mleng.handbook.search import evaluate, query_weights
 
@@ -116,13 +115,12 @@ def test_retired_frozen_set_labels_name_entries(name, entry_ids):
     """A retired frozen set keeps all its queries; every label is an entry; [] marks a cause no entry covers."""
     path, size, _ = RETIRED[name]
     cases = yaml.safe_load(path.read_text())
-    ids = entry_ids
     assert len(cases) == size and len({c["source"] for c in cases}) == size
     for case in cases:
         assert case["source"].startswith("https://") and case["cause"].strip(), case
         assert isinstance(case["expected"], list), case
         for entry_id in case["expected"]:
-            assert entry_id in ids, f"{name} names {entry_id!r}, which is not an entry"
+            assert entry_id in entry_ids, f"{name} names {entry_id!r}, which is not an entry"
 
 
 @pytest.mark.parametrize("name", sorted(RETIRED))
