@@ -13,7 +13,7 @@ from mleng.handbook import default_entries_dir
 from mleng.handbook.stem import stem
 
 # The layout of the cache file; the fingerprint also covers the code that fills it.
-INDEX_SCHEMA = 8
+INDEX_SCHEMA = 9
 INDEX_FILENAME = "handbook-index.sqlite"
 # Per entry id, how many real user threads of the dev sets had its cause (scripts/handbook_reports.py).
 REPORTS_PATH = Path(__file__).resolve().parent / "reports.json"
@@ -238,7 +238,8 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> 
         summary.append([rowid, entry_id, data["category"], data["signatures"], data["tags"], codes, anchors, length,
                         reports.get(entry_id, 0)])
     conn.executemany("INSERT INTO postings VALUES (?, ?, ?, ?)", postings)
-    conn.execute("CREATE INDEX postings_term ON postings (term)")
+    # Covering: a query's postings are read from the index alone, in (term, rowid, col) order.
+    conn.execute("CREATE INDEX postings_term ON postings (term, rowid, col, tf)")
     conn.executemany("INSERT INTO shingles VALUES (?, ?)", shingles)
     conn.execute("CREATE INDEX shingles_shingle ON shingles (shingle)")
     conn.execute("INSERT INTO meta VALUES ('summary', ?)", (json.dumps(summary),))
