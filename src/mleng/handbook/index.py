@@ -88,6 +88,29 @@ class Index:
         ]
         self.lengths: dict[int, int] = {e.rowid: e.length for e in self.entries}
         self.average_length = sum(self.lengths.values()) / max(1, len(self.lengths))
+        # What every query looks up: which entries have a signature anchor or an error code, and each
+        # code's document frequency. Built on the first query, so opening the index stays cheap.
+        self._anchors: dict[str, list[IndexedEntry]] | None = None
+        self._code_entries: dict[str, list[IndexedEntry]] | None = None
+
+    def anchor_entries(self) -> dict[str, list[IndexedEntry]]:
+        """Anchor literal -> the entries with a signature that needs it (each entry once per literal). A
+        signature with no anchor files its entry under "", which every query contains."""
+        if self._anchors is None:
+            self._anchors = {}
+            for entry in self.entries:
+                for literal in {a for anchor in entry.anchors for a in (anchor if anchor is not None else [""])}:
+                    self._anchors.setdefault(literal, []).append(entry)
+        return self._anchors
+
+    def code_entries(self) -> dict[str, list[IndexedEntry]]:
+        """Canonical error code -> the entries that carry it."""
+        if self._code_entries is None:
+            self._code_entries = {}
+            for entry in self.entries:
+                for code in entry.codes:
+                    self._code_entries.setdefault(code, []).append(entry)
+        return self._code_entries
 
     def close(self) -> None:
         self.conn.close()

@@ -234,16 +234,21 @@ def search(index: Index, query: str, limit: int = 5) -> dict:
     word_set = set(words)
     pasted_error = bool(_PASTED_ERROR_RE.search(query))
 
-    code_df: dict[str, int] = {}
-    for entry in index.entries:
-        for code in entry.codes:
-            code_df[code] = code_df.get(code, 0) + 1
+    code_entries = index.code_entries()
+    code_df = {code: len(code_entries[code]) for code in query_codes if code in code_entries}
+    # Only an entry that shares a term, a word 3-gram, an error code or a signature anchor with the query
+    # can score above 0; the others are skipped without a look.
+    with_anchor = {entry.rowid for literal, found in index.anchor_entries().items() if literal in lowered
+                   for entry in found}
+    candidates = with_anchor.union(bm25, shared_shingles, whole_lines,
+                                   (entry.rowid for code in code_df for entry in code_entries[code]))
 
     scored = []
-    for entry in index.entries:
+    for rowid in candidates:
+        entry = index.entries[rowid - 1]
         text_score = bm25.get(entry.rowid, 0.0) / best_bm25 if best_bm25 > 0 else 0.0
         signature_hits: list[str] = []
-        signature_score = _signature_score(entry, lines, lowered, signature_hits)
+        signature_score = _signature_score(entry, lines, lowered, signature_hits) if rowid in with_anchor else 0.0
         shared_codes = sorted(query_codes.intersection(entry.codes))
         code_score = sum(T.code_weight(c) / math.sqrt(code_df[c]) for c in shared_codes)
         whole_line = whole_lines.get(entry.rowid, 0)
