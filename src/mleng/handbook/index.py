@@ -73,7 +73,8 @@ class IndexedEntry:
 
 
 class Index:
-    """An open index: per-term `postings`, the entries in rowid order, the files skipped."""
+    """An open index: per-term `postings`, the entries in rowid order (rowids run from 1, so rowid n is
+    `entries[n - 1]`), the files skipped."""
 
     def __init__(self, conn: sqlite3.Connection, path: Path | None, rebuilt: bool):
         self.conn = conn
@@ -88,8 +89,8 @@ class Index:
         ]
         self.lengths: dict[int, int] = {e.rowid: e.length for e in self.entries}
         self.average_length = sum(self.lengths.values()) / max(1, len(self.lengths))
-        # What every query looks up: which entries have a signature anchor or an error code, and each
-        # code's document frequency. Built on the first query, so opening the index stays cheap.
+        # What every query looks up: the entries under each signature-anchor literal and each error code.
+        # Built on the first query, so opening the index stays cheap.
         self._anchors: dict[str, list[IndexedEntry]] | None = None
         self._code_entries: dict[str, list[IndexedEntry]] | None = None
 
