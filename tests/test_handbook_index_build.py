@@ -1,5 +1,6 @@
-"""The index rebuild splits its work over two processes where it can: the index it writes must be the one a
-serial build writes, skipped files and duplicate ids included."""
+"""The index rebuild splits its work over two processes where it can (the helper writes its half's postings
+into a part file that the parent copies in): the index it writes must be the one a serial build writes, skipped
+files and duplicate ids included, and a helper that dies costs time, not entries."""
 
 from __future__ import annotations
 
@@ -77,9 +78,15 @@ def _rows_or_die(paths):
 
 
 @needs_two_cores
-def test_a_killed_helper_costs_time_not_entries(monkeypatch):
-    paths = entry_files(default_entries_dir())
-    monkeypatch.setattr(I, "PARALLEL_MIN_FILES", 0)
+def test_a_killed_helper_costs_time_not_entries(tmp_path, monkeypatch):
+    serial = build(default_entries_dir(), tmp_path / "serial.sqlite", monkeypatch, 10**9)
     monkeypatch.setattr(I, "_entry_rows", _rows_or_die)
-    rows = I._all_entry_rows(paths)
-    assert rows == _serial_rows(paths)
+    survived = build(default_entries_dir(), tmp_path / "survived.sqlite", monkeypatch, 0)
+    assert survived == serial
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["serial.sqlite", "survived.sqlite"]  # no part file left
+
+
+@needs_two_cores
+def test_the_helpers_part_file_is_removed(tmp_path, monkeypatch):
+    build(default_entries_dir(), tmp_path / "index.sqlite", monkeypatch, 0)
+    assert [p.name for p in tmp_path.iterdir()] == ["index.sqlite"]

@@ -182,8 +182,8 @@ def entry_postings(columns: list[list[str]]) -> list[tuple[str, int, int]]:
 
 
 def _entry_rows(paths: list[Path]) -> list:
-    """The Python work of a rebuild, per entry file in order: (file, id, (data, codes, anchors, length, postings,
-    shingles)), or the EntryError of a file that cannot be used (model.first_of_each_id's input)."""
+    """The Python work of a rebuild, per entry file in order: (file, id, (data, codes, anchors, length,
+    (postings, shingles))), or the EntryError of a file that cannot be used (model.first_of_each_id's input)."""
     from mleng.handbook.model import EntryError, parse_entry
 
     rows: list = []
@@ -199,7 +199,42 @@ def _entry_rows(paths: list[Path]) -> list:
         shingles = sorted(T.entry_shingles(columns[FTS_COLUMNS.index("title")], lines))
         anchors = [T.regex_anchor(s) for s in entry.signatures]
         rows.append((str(path), entry.id, (data, sorted(entry_codes(data)), anchors,
-                                           sum(len(words) for words in columns), entry_postings(columns), shingles)))
+                                           sum(len(words) for words in columns), (entry_postings(columns), shingles))))
+    return rows
+
+
+def _connect_for_writing(path: Path | str) -> sqlite3.Connection:
+    conn = sqlite3.connect(path)
+    # The file is used only once complete (renamed into place, or copied from): a crash mid-fill loses
+    # nothing, so the rollback journal and fsyncs buy nothing here.
+    conn.execute("PRAGMA journal_mode = OFF")
+    conn.execute("PRAGMA synchronous = OFF")
+    return conn
+
+
+def _part_rows(paths: list[Path], part: str) -> list:
+    """The helper's half of a rebuild: _entry_rows, with each entry's postings and shingles written to the
+    SQLite file `part` under the entry's position in `paths` instead of sent back; its row ends in that
+    position."""
+    conn = _connect_for_writing(part)
+    try:
+        conn.executescript("""
+            CREATE TABLE postings (term TEXT NOT NULL, pos INTEGER NOT NULL, col INTEGER NOT NULL, tf INTEGER NOT NULL);
+            CREATE TABLE shingles (shingle TEXT NOT NULL, pos INTEGER NOT NULL);
+        """)
+        rows, postings, shingles = [], [], []
+        for pos, row in enumerate(_entry_rows(paths)):
+            if isinstance(row, tuple):
+                file, entry_id, (data, codes, anchors, length, (entry_terms, entry_shingles)) = row
+                postings.extend((term, pos, col, tf) for term, col, tf in entry_terms)
+                shingles.extend((shingle, pos) for shingle in entry_shingles)
+                row = (file, entry_id, (data, codes, anchors, length, pos))
+            rows.append(row)
+        conn.executemany("INSERT INTO postings VALUES (?, ?, ?, ?)", postings)
+        conn.executemany("INSERT INTO shingles VALUES (?, ?)", shingles)
+        conn.commit()
+    finally:
+        conn.close()
     return rows
 
 
@@ -207,34 +242,16 @@ def _entry_rows(paths: list[Path]) -> list:
 PARALLEL_MIN_FILES = 400
 
 
-def _all_entry_rows(paths: list[Path]) -> list:
-    """_entry_rows of every file; on two or more cores a forked process does the second half, which
-    takes a rebuild of ~2000 entries from about 3 s to about 2 s. Serial where forking is not safe
-    or not possible (no fork, one core, other threads running, a daemonic process such as a DataLoader
-    worker), and for the second half when the helper dies; the result is the same either way."""
+def _can_fork(files: int) -> bool:
+    """Whether a forked helper is worth it and safe: enough files, two or more cores, fork available, no
+    other thread running, not a daemonic process (such as a DataLoader worker)."""
     import threading
 
-    if len(paths) < PARALLEL_MIN_FILES or (os.cpu_count() or 1) < 2 or threading.active_count() > 1:
-        return _entry_rows(paths)
+    if files < PARALLEL_MIN_FILES or (os.cpu_count() or 1) < 2 or threading.active_count() > 1:
+        return False
     import multiprocessing
 
-    if "fork" not in multiprocessing.get_all_start_methods() or multiprocessing.current_process().daemon:
-        return _entry_rows(paths)
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-
-    half = len(paths) // 2
-    try:
-        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"), initializer=_ignore_sigint)
-        second = pool.submit(_entry_rows, paths[half:])
-    except (OSError, BrokenProcessPool):
-        return _entry_rows(paths)
-    with pool:
-        first = _entry_rows(paths[:half])
-        try:
-            return first + second.result()
-        except BrokenProcessPool:   # the helper was killed (out of memory, a signal): do its half here
-            return first + _entry_rows(paths[half:])
+    return "fork" in multiprocessing.get_all_start_methods() and not multiprocessing.current_process().daemon
 
 
 def _ignore_sigint() -> None:
@@ -244,27 +261,81 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str) -> None:
+def _insert_terms(conn: sqlite3.Connection, numbered: list) -> None:
+    """The postings and shingles of (rowid, (postings, shingles)) pairs."""
+    conn.executemany("INSERT INTO postings VALUES (?, ?, ?, ?)",
+                     [(term, rowid, col, tf) for rowid, (entry_terms, _) in numbered for term, col, tf in entry_terms])
+    conn.executemany("INSERT INTO shingles VALUES (?, ?)",
+                     [(shingle, rowid) for rowid, (_, entry_shingles) in numbered for shingle in entry_shingles])
+
+
+def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str, scratch: Path | None = None) -> None:
+    """Parse every entry file and write the index. On two or more cores a forked helper parses the second
+    half of the files and writes their postings into its own SQLite file in `scratch`, while this process
+    parses the first half and writes theirs; SQLite then copies the helper's rows in, renumbered. Serial with no `scratch` or where
+    forking is not worth it or not safe (_can_fork), and for the second half when the helper dies; the
+    index is the same either way."""
+    import contextlib
+    import tempfile
+    from concurrent.futures.process import BrokenProcessPool
+
     from mleng.handbook.model import entry_files, first_of_each_id
 
-    rows, skipped = first_of_each_id(_all_entry_rows(entry_files(directory)))
-    reports = report_counts()
+    files = entry_files(directory)
     _create_schema(conn)
-    summary = []
-    postings: list[tuple[str, int, int, int]] = []
-    shingles: list[tuple[str, int]] = []
-    for rowid, (data, codes, anchors, length, entry_terms, entry_shingles) in enumerate(rows, start=1):
-        entry_id = data["id"]
-        conn.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", (
-            rowid, entry_id, json.dumps(data), json.dumps(codes), json.dumps(anchors), length))
-        postings.extend((term, rowid, col, tf) for term, col, tf in entry_terms)
-        shingles.extend((shingle, rowid) for shingle in entry_shingles)
-        summary.append([rowid, entry_id, data["category"], data["signatures"], data["tags"], codes, anchors, length,
-                        reports.get(entry_id, 0)])
-    conn.executemany("INSERT INTO postings VALUES (?, ?, ?, ?)", postings)
+    with contextlib.ExitStack() as stack:
+        half, future, part = len(files), None, None
+        if scratch is not None and _can_fork(len(files)):
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            try:
+                fd, part = tempfile.mkstemp(prefix=".handbook-part-", suffix=".tmp", dir=scratch)
+                os.close(fd)
+                stack.callback(Path(part).unlink, missing_ok=True)
+                pool = stack.enter_context(ProcessPoolExecutor(
+                    1, mp_context=multiprocessing.get_context("fork"), initializer=_ignore_sigint))
+                half = len(files) // 2
+                future = pool.submit(_part_rows, files[half:], part)
+            except (OSError, BrokenProcessPool):
+                half, future = len(files), None
+        rows = _entry_rows(files[:half])
+        # The first half's rowids are final whatever the second half holds (a later file never displaces
+        # an earlier one), so its postings go in while the helper works.
+        first, _ = first_of_each_id(rows)
+        _insert_terms(conn, list(enumerate((value[4] for value in first), start=1)))
+        if future is not None:
+            try:
+                rows += future.result()
+            except (BrokenProcessPool, OSError, sqlite3.Error):  # the helper died (out of memory, a signal,
+                rows += _entry_rows(files[half:])                 # a full disk): do its half here
+        kept, skipped = first_of_each_id(rows)
+        reports = report_counts()
+        summary, inline, renumber = [], [], []
+        for rowid, (data, codes, anchors, length, terms) in enumerate(kept, start=1):
+            entry_id = data["id"]
+            conn.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", (
+                rowid, entry_id, json.dumps(data), json.dumps(codes), json.dumps(anchors), length))
+            summary.append([rowid, entry_id, data["category"], data["signatures"], data["tags"], codes, anchors,
+                            length, reports.get(entry_id, 0)])
+            if isinstance(terms, int):
+                renumber.append((terms, rowid))
+            elif rowid > len(first):
+                inline.append((rowid, terms))
+        _insert_terms(conn, inline)
+        if renumber:
+            conn.execute("CREATE TEMP TABLE renumber (pos INTEGER PRIMARY KEY, rowid INTEGER NOT NULL)")
+            conn.executemany("INSERT INTO renumber VALUES (?, ?)", renumber)
+            conn.commit()
+            conn.execute("ATTACH DATABASE ? AS part", (part,))
+            conn.execute("INSERT INTO postings SELECT p.term, r.rowid, p.col, p.tf "
+                         "FROM part.postings p JOIN renumber r USING (pos)")
+            conn.execute("INSERT INTO shingles SELECT s.shingle, r.rowid FROM part.shingles s JOIN renumber r USING (pos)")
+            conn.commit()
+            conn.execute("DETACH DATABASE part")
+            conn.execute("DROP TABLE temp.renumber")
     # Covering: a query's postings are read from the index alone, in (term, rowid, col) order.
     conn.execute("CREATE INDEX postings_term ON postings (term, rowid, col, tf)")
-    conn.executemany("INSERT INTO shingles VALUES (?, ?)", shingles)
     conn.execute("CREATE INDEX shingles_shingle ON shingles (shingle)")
     conn.execute("INSERT INTO meta VALUES ('summary', ?)", (json.dumps(summary),))
     conn.executemany("INSERT INTO skipped VALUES (?, ?, ?)", [(e.file, e.field, e.message) for e in skipped])
@@ -318,13 +389,9 @@ def open_index(directory: Path | None = None, cache_path: Path | None = None) ->
         _fill(conn, directory, current)
         return Index(conn, None, rebuilt=True)
     try:
-        conn = sqlite3.connect(tmp_name)
+        conn = _connect_for_writing(tmp_name)
         try:
-            # The temporary file replaces the cache only once complete: a crash mid-fill loses nothing,
-            # so the rollback journal and fsyncs buy nothing here.
-            conn.execute("PRAGMA journal_mode = OFF")
-            conn.execute("PRAGMA synchronous = OFF")
-            _fill(conn, directory, current)
+            _fill(conn, directory, current, cache_path.parent)
         finally:
             conn.close()
         os.replace(tmp_name, cache_path)
