@@ -272,9 +272,9 @@ def _insert_terms(conn: sqlite3.Connection, numbered: list) -> None:
 def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str, scratch: Path | None = None) -> None:
     """Parse every entry file and write the index. On two or more cores a forked helper parses the second
     half of the files and writes their postings into its own SQLite file in `scratch`, while this process
-    parses the first half and writes theirs; SQLite then copies the helper's rows in, renumbered. Serial with no `scratch` or where
-    forking is not worth it or not safe (_can_fork), and for the second half when the helper dies; the
-    index is the same either way."""
+    parses the first half and writes theirs; SQLite then copies the helper's rows in, renumbered. Serial
+    with no `scratch` or where forking is not worth it or not safe (_can_fork), and for the second half
+    when the helper dies; the index is the same either way."""
     import contextlib
     import tempfile
     from concurrent.futures.process import BrokenProcessPool
