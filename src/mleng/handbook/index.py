@@ -222,16 +222,14 @@ def _part_rows(paths: list[Path], part: str) -> list:
             CREATE TABLE postings (term TEXT NOT NULL, pos INTEGER NOT NULL, col INTEGER NOT NULL, tf INTEGER NOT NULL);
             CREATE TABLE shingles (shingle TEXT NOT NULL, pos INTEGER NOT NULL);
         """)
-        rows, postings, shingles = [], [], []
+        rows, numbered = [], []
         for pos, row in enumerate(_entry_rows(paths)):
             if isinstance(row, tuple):
-                file, entry_id, (data, codes, anchors, length, (entry_terms, entry_shingles)) = row
-                postings.extend((term, pos, col, tf) for term, col, tf in entry_terms)
-                shingles.extend((shingle, pos) for shingle in entry_shingles)
+                file, entry_id, (data, codes, anchors, length, terms) = row
+                numbered.append((pos, terms))
                 row = (file, entry_id, (data, codes, anchors, length, pos))
             rows.append(row)
-        conn.executemany("INSERT INTO postings VALUES (?, ?, ?, ?)", postings)
-        conn.executemany("INSERT INTO shingles VALUES (?, ?)", shingles)
+        _insert_terms(conn, numbered)   # the part's tables have the index's columns, keyed by position
         conn.commit()
     finally:
         conn.close()
