@@ -44,13 +44,38 @@ def index_home(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def dev_index(tmp_path_factory):
-    """One fresh index of the checkout's entries for the dev-set tests (a rebuild takes seconds); they only read it."""
+def entries_snapshot(tmp_path_factory):
+    """The checkout's entries, copied once per session: the dev-set tests, the site and the MCP server all read
+    this copy, so work that edits the checkout's entries meanwhile cannot make them disagree."""
+    import shutil
     from pathlib import Path
 
+    copy = tmp_path_factory.mktemp("entries") / "entries"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "src" / "mleng" / "handbook" / "entries", copy)
+    return copy
+
+
+@pytest.fixture(scope="session")
+def dev_index(entries_snapshot, tmp_path_factory):
+    """One fresh index of the entries for the dev-set tests (a rebuild takes seconds); they only read it."""
     from mleng.handbook.index import open_index
 
-    entries = Path(__file__).resolve().parents[1] / "src" / "mleng" / "handbook" / "entries"
-    index = open_index(entries, tmp_path_factory.mktemp("dev-index") / "idx.sqlite")
+    index = open_index(entries_snapshot, tmp_path_factory.mktemp("dev-index") / "idx.sqlite")
     yield index
     index.close()
+
+
+@pytest.fixture(scope="session")
+def dev_search(dev_index):
+    """search(dev_index, query, 5), each query searched once per session: the site's and the MCP server's
+    parity tests compare their answers for the same ~3000 dev-set queries with these (read-only) results."""
+    from mleng.handbook.search import search
+
+    answers: dict[str, dict] = {}
+
+    def answer(query: str) -> dict:
+        if query not in answers:
+            answers[query] = search(dev_index, query, 5)
+        return answers[query]
+
+    return answer

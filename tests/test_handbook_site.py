@@ -92,9 +92,9 @@ def test_site_search_in_headless_chromium(tmp_path, run_mleng):
 
 
 @needs_chromium
-def test_site_ranks_every_dev_query_like_ask(tmp_path):
+def test_site_ranks_every_dev_query_like_ask(tmp_path, entries_snapshot, dev_search):
     """One browser launch runs every query through the page's search; top-1 and `confident` equal search()'s."""
-    entries = [e.to_dict() for e in load_entries(ENTRIES)[0]]
+    entries = [e.to_dict() for e in load_entries(entries_snapshot)[0]]
     queries = _queries()
     page = index_page(entries)
     runner = ("<script>(function(){var q=JSON.parse(document.getElementById('queries').textContent);"
@@ -108,14 +108,10 @@ def test_site_ranks_every_dev_query_like_ask(tmp_path):
     dom = _chromium("--virtual-time-budget=10000", "--dump-dom", (tmp_path / "parity.html").as_uri(),
                     timeout=120).stdout
     got = json.loads(__import__("html").unescape(re.search(r'<pre id="parity">(.*?)</pre>', dom, re.S).group(1)))
-    index = open_index(ENTRIES, tmp_path / "idx.sqlite")
-    try:
-        want = []
-        for q in queries:
-            r = search(index, q)
-            want.append([r["results"][0]["id"] if r["results"] else None, r["confident"]])
-    finally:
-        index.close()
+    want = []
+    for q in queries:
+        r = dev_search(q)
+        want.append([r["results"][0]["id"] if r["results"] else None, r["confident"]])
     diffs = [(q, g, w) for q, g, w in zip(queries, got, want) if g != w]
     assert len(got) == len(queries)
     assert not diffs, f"{len(diffs)} of {len(queries)} differ: {diffs[:5]}"
