@@ -703,6 +703,18 @@ def test_triage_finds_errors_inside_carriage_return_progress_lines(book, tmp_pat
     assert finding.example == "[rank3]: the alpha-entry failure happened mid-bar"
 
 
+def test_triage_finds_a_signature_whose_text_runs_across_colour_codes(book, tmp_path):
+    """Coloured logs (YOLOv5's '\\x1b[1mAutoBatch: \\x1b[0mUsing ...'): the codes go before the anchor scan."""
+    write_entry(book, "alpha-entry")
+    matcher = Matcher([e.to_dict() for e in load_entries(book)[0]])
+    log = tmp_path / "coloured.log"
+    log.write_bytes(b"start\n\x1b[34m\x1b[1mthe alpha-entry\x1b[0m failure happened at step 3\nafter\n")
+    result = triage_module.triage_file(str(log), matcher)
+    assert result.lines == 3
+    (finding,) = result.findings
+    assert (finding.first_line, finding.example) == (2, "the alpha-entry failure happened at step 3")
+
+
 def test_attribute_prefixes():
     assert attribute("[rank12]: boom") == ("12", None)
     assert attribute("[default3]:boom") == ("3", None)

@@ -10,7 +10,7 @@ from mleng.handbook import terms as T
 from mleng.handbook.triage.engines import scan_engine
 from mleng.handbook.triage.findings import record_match
 
-_ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_ANSI_RE = re.compile(rb"\x1b\[[0-9;]*[A-Za-z]")
 
 
 @dataclass
@@ -92,6 +92,11 @@ def scan_block(block: bytes, end: int, lines_before: int, matcher: Matcher, find
     """Examine the parts of block[:end] where anchors occur; return the line count after them."""
     if matcher.scan is None and not matcher.unanchored:
         return lines_before + block.count(b"\n", 0, end)
+    if block.find(b"\x1b", 0, end) != -1:
+        # Colour codes go before the anchor scan: an anchor's literal may run across one ("\x1b[1mAutoBatch:
+        # \x1b[0mUsing ..."). They hold no line breaks, so the line count is unchanged.
+        block = _ANSI_RE.sub(b"", block[:end])
+        end = len(block)
     view = memoryview(block)[:end]
     candidates: dict[int, list[Signature]] = {}   # segment start -> signatures its anchors point at
     spans: dict[int, int] = {}
@@ -120,7 +125,7 @@ def scan_block(block: bytes, end: int, lines_before: int, matcher: Matcher, find
     for start in sorted(candidates):
         count_so_far += block.count(b"\n", counted_to, start)
         counted_to = start
-        line = _ANSI_RE.sub("", block[start:spans[start]].decode("utf-8", "replace"))
+        line = block[start:spans[start]].decode("utf-8", "replace")
         matched = matcher.match_line(line, candidates[start])
         if matched:
             record_match(findings, matcher, matched, line, count_so_far + 1)
