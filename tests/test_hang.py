@@ -31,6 +31,26 @@ def _wait_ready(proc: subprocess.Popen, nranks: int, timeout: float = 180) -> No
     time.sleep(1.0)  # let the ranks enter the all-reduce
 
 
+def _kill_job(job: subprocess.Popen) -> None:
+    """SIGKILL torchrun and its ranks: torchrun starts each rank in a session of its own, out of its process
+    group, and a rank that skipped the collective would otherwise sleep on after the test."""
+    try:
+        ranks = [int(c) for c in Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()]
+    except OSError:
+        ranks = []
+    os.killpg(job.pid, signal.SIGKILL)
+    for pid in ranks:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.wait(10)
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()], "a rank outlived the test"
+
+
 def _line_of(script: Path, marker: str) -> int:
     return next(i for i, line in enumerate(script.read_text().splitlines(), 1) if marker in line)
 
@@ -45,8 +65,7 @@ def test_dump_names_the_rank_that_skipped_the_collective(run_mleng):
         rank_pids = [int(c) for c in Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()]
         from_one_rank = run_mleng("hang", "dump", "--pid", str(rank_pids[0]), timeout=180)
     finally:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait(10)
+        _kill_job(job)
     assert result.returncode == 1, result.stderr
     dump = json.loads(result.stdout)
     assert [r["rank"] for r in dump["ranks"]] == [0, 1, 2]
