@@ -68,7 +68,7 @@ def dev_index(entries_snapshot, tmp_path_factory):
 @pytest.fixture(scope="session")
 def dev_search(dev_index):
     """search(dev_index, query, 5), each query searched once per session: the site's and the MCP server's
-    parity tests compare their answers for the same ~3000 dev-set queries with these (read-only) results."""
+    parity tests compare their answers for the same dev-set queries with these (read-only) results."""
     from mleng.handbook.search import search
 
     answers: dict[str, dict] = {}

@@ -1,5 +1,5 @@
 """`mleng mcp` through the MCP SDK's own stdio client, with the server as a real subprocess: the tools give
-what the CLI's --json gives (every dev-set query, every fixture fingerprint), bad calls are tool errors with the
+what the CLI's --json gives (every third dev-set query, every fixture fingerprint), bad calls are tool errors with the
 CLI's message and the server answers the next call, memory stays flat over 200 calls, torch stays out of the
 server, and a measurement reports progress and stops at the cap."""
 
@@ -166,21 +166,23 @@ def test_tools_are_the_commands_with_their_flags(server):
     assert tools["upgrade"].input_schema["required"] == ["from", "to", "price_from", "price_to"]
 
 
-def test_ask_equals_the_cli_on_every_dev_set_query(server, cli_env, dev_search):
+def test_ask_equals_the_cli_on_every_third_dev_set_query(server, cli_env, dev_search):
     from mleng.cli.ask import result
     from mleng.handbook.index import open_index
 
-    queries = _queries()
+    # Every third query of every dev set (~1000): the server answers ~3000 in about 150 s on a 2-core VM, and
+    # its `ask` is the CLI's result() behind the MCP framing; the site's test keeps every query.
+    queries = _queries()[::3]
     assert len(queries) >= 130, DEV_SETS
     # All the calls go out at once; `mleng ask --json`'s answer is what result() builds around search() of the
-    # same entries, computed once per session for every dev-set query (the site's parity test compares the
-    # same answers). result() itself is checked against them on a few queries here, and the subprocess checks
-    # below compare the server with the real `mleng ask --json` byte for byte.
+    # same entries, searched once per session (the site's parity test compares the same answers). result()
+    # itself is checked against them on a few queries here, and the subprocess checks below compare the server
+    # with the real `mleng ask --json` byte for byte.
     pending = [server.start("ask", {"text": query}) for query in queries]
     expected = [json.loads(json.dumps({"query": q, **dev_search(q)}, default=str)) for q in queries]
     index = open_index()
     try:
-        for q, want in list(zip(queries, expected))[::500]:
+        for q, want in list(zip(queries, expected))[::200]:
             assert json.loads(json.dumps(result(argparse.Namespace(text=[q], limit=5), index), default=str)) == want
     finally:
         index.close()
@@ -194,7 +196,7 @@ def test_ask_equals_the_cli_on_every_dev_set_query(server, cli_env, dev_search):
         tool = answer.structured_content
         same_top1 += [r["id"] for r in tool["results"][:1]] == [r["id"] for r in cli["results"][:1]]
         same_json += tool == cli   # the whole answer, scores and `confident` included
-    print(f"\nask parity: {same_top1}/{len(queries)} dev-set queries with the same top-1, "
+    print(f"\nask parity: {same_top1}/{len(queries)} dev-set queries (every third) with the same top-1, "
           f"{same_json}/{len(queries)} with the same JSON")
     assert same_top1 == same_json == len(queries)
 
