@@ -31,11 +31,16 @@ def _wait_ready(proc: subprocess.Popen, nranks: int, timeout: float = 180) -> No
     time.sleep(1.0)  # let the ranks enter the all-reduce
 
 
+def _ranks(job: subprocess.Popen) -> list[int]:
+    """The pids of torchrun's rank processes (its children)."""
+    return [int(c) for c in Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()]
+
+
 def _kill_job(job: subprocess.Popen) -> None:
     """SIGKILL torchrun and its ranks: torchrun starts each rank in a session of its own, out of its process
     group, and a rank that skipped the collective would otherwise sleep on after the test."""
     try:
-        ranks = [int(c) for c in Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()]
+        ranks = _ranks(job)
     except OSError:
         ranks = []
     os.killpg(job.pid, signal.SIGKILL)
@@ -62,8 +67,7 @@ def test_dump_names_the_rank_that_skipped_the_collective(run_mleng):
         _wait_ready(job, 3)
         result = run_mleng("hang", "dump", "--pid", str(job.pid), "--json", timeout=180)
         human = run_mleng("hang", "dump", "--pid", str(job.pid), timeout=180)
-        rank_pids = [int(c) for c in Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()]
-        from_one_rank = run_mleng("hang", "dump", "--pid", str(rank_pids[0]), timeout=180)
+        from_one_rank = run_mleng("hang", "dump", "--pid", str(_ranks(job)[0]), timeout=180)
     finally:
         _kill_job(job)
     assert result.returncode == 1, result.stderr
