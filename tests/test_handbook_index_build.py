@@ -15,7 +15,7 @@ from mleng.handbook import default_entries_dir
 from mleng.handbook import index as I
 from mleng.handbook.model import entry_files, load_entries
 
-TABLES = {"entries": "rowid", "postings": "term, rowid, col", "shingles": "shingle, rowid", "meta": "key",
+TABLES = {"entries": "rowid", "postings": "term, rowid", "shingles": "shingle, rowid", "meta": "key",
           "skipped": "file"}
 
 

@@ -13,7 +13,7 @@ from mleng.handbook import default_entries_dir
 from mleng.handbook.stem import stem
 
 # The layout of the cache file; the fingerprint also covers the code that fills it.
-INDEX_SCHEMA = 9
+INDEX_SCHEMA = 10
 INDEX_FILENAME = "handbook-index.sqlite"
 # Per entry id, how many real user threads of the dev sets had its cause (scripts/handbook_reports.py).
 REPORTS_PATH = Path(__file__).resolve().parent / "reports.json"
@@ -124,10 +124,18 @@ def _create_schema(conn: sqlite3.Connection) -> None:
                               codes TEXT NOT NULL, anchors TEXT NOT NULL, length INTEGER NOT NULL);
         -- word 3-grams of each entry's title and symptoms (a near-verbatim paste shares several)
         CREATE TABLE shingles (shingle TEXT NOT NULL, rowid INTEGER NOT NULL);
-        -- term frequency of each (Porter-stemmed, stem.py) term per entry and column, for our own BM25
-        CREATE TABLE postings (term TEXT NOT NULL, rowid INTEGER NOT NULL, col INTEGER NOT NULL, tf INTEGER NOT NULL);
         CREATE TABLE skipped (file TEXT NOT NULL, field TEXT NOT NULL, message TEXT NOT NULL);
     """)
+    _create_postings(conn, "rowid")
+
+
+def _create_postings(conn: sqlite3.Connection, key: str) -> None:
+    """One row per (Porter-stemmed, stem.py) term and entry, for our own BM25: the term's frequency in each
+    column (FTS_COLUMNS, one SQL column each, 0 where absent) and the mask of the columns it occurs in. A query
+    reads its terms' rows straight from the primary key, already in (term, entry) order."""
+    counts = ", ".join(f"{c} INTEGER NOT NULL" for c in FTS_COLUMNS)
+    conn.execute(f"CREATE TABLE postings (term TEXT NOT NULL, {key} INTEGER NOT NULL, {counts}, mask INTEGER NOT NULL,"
+                 f" PRIMARY KEY (term, {key})) WITHOUT ROWID")
 
 
 def report_counts() -> dict[str, int]:
@@ -181,9 +189,25 @@ def entry_postings(columns: list[list[str]]) -> list[tuple[str, int, int]]:
     return out
 
 
+def term_rows(columns: list[list[str]]) -> list[tuple]:
+    """The postings-table rows of an entry's columns, without the entry: (stem, tf per column..., mask), the
+    counts entry_postings gives."""
+    width = len(FTS_COLUMNS)
+    per_term: dict[str, list[int]] = {}
+    for col, words in enumerate(columns):
+        bit = 1 << col
+        for word in words:
+            row = per_term.get(stem(word))
+            if row is None:
+                row = per_term[stem(word)] = [0] * (width + 1)
+            row[col] += 1
+            row[width] |= bit
+    return [(term, *row) for term, row in per_term.items()]
+
+
 def _entry_rows(paths: list[Path]) -> list:
     """The Python work of a rebuild, per entry file in order: (file, id, (data, codes, anchors, length,
-    (postings, shingles))), or the EntryError of a file that cannot be used (model.first_of_each_id's input)."""
+    (term rows, shingles))), or the EntryError of a file that cannot be used (model.first_of_each_id's input)."""
     from mleng.handbook.model import EntryError, parse_entry
 
     rows: list = []
@@ -199,7 +223,7 @@ def _entry_rows(paths: list[Path]) -> list:
         shingles = sorted(T.entry_shingles(columns[FTS_COLUMNS.index("title")], lines))
         anchors = [T.regex_anchor(s) for s in entry.signatures]
         rows.append((str(path), entry.id, (data, sorted(entry_codes(data)), anchors,
-                                           sum(len(words) for words in columns), (entry_postings(columns), shingles))))
+                                           sum(len(words) for words in columns), (term_rows(columns), shingles))))
     return rows
 
 
@@ -209,6 +233,8 @@ def _connect_for_writing(path: Path | str) -> sqlite3.Connection:
     # nothing, so the rollback journal and fsyncs buy nothing here.
     conn.execute("PRAGMA journal_mode = OFF")
     conn.execute("PRAGMA synchronous = OFF")
+    # Room for the whole file (some 30 MiB): the postings' B-tree is filled out of key order.
+    conn.execute("PRAGMA cache_size = -131072")
     return conn
 
 
@@ -218,10 +244,8 @@ def _part_rows(paths: list[Path], part: str) -> list:
     position."""
     conn = _connect_for_writing(part)
     try:
-        conn.executescript("""
-            CREATE TABLE postings (term TEXT NOT NULL, pos INTEGER NOT NULL, col INTEGER NOT NULL, tf INTEGER NOT NULL);
-            CREATE TABLE shingles (shingle TEXT NOT NULL, pos INTEGER NOT NULL);
-        """)
+        _create_postings(conn, "pos")
+        conn.execute("CREATE TABLE shingles (shingle TEXT NOT NULL, pos INTEGER NOT NULL)")
         rows, numbered = [], []
         for pos, row in enumerate(_entry_rows(paths)):
             if isinstance(row, tuple):
@@ -260,9 +284,10 @@ def _ignore_sigint() -> None:
 
 
 def _insert_terms(conn: sqlite3.Connection, numbered: list) -> None:
-    """The postings and shingles of (rowid, (postings, shingles)) pairs."""
-    conn.executemany("INSERT INTO postings VALUES (?, ?, ?, ?)",
-                     [(term, rowid, col, tf) for rowid, (entry_terms, _) in numbered for term, col, tf in entry_terms])
+    """The postings and shingles of (rowid, (term rows, shingles)) pairs."""
+    values = ", ".join("?" * (len(FTS_COLUMNS) + 3))
+    conn.executemany(f"INSERT INTO postings VALUES ({values})",
+                     [(row[0], rowid, *row[1:]) for rowid, (entry_terms, _) in numbered for row in entry_terms])
     conn.executemany("INSERT INTO shingles VALUES (?, ?)",
                      [(shingle, rowid) for rowid, (_, entry_shingles) in numbered for shingle in entry_shingles])
 
@@ -326,14 +351,13 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str, scr
             conn.executemany("INSERT INTO renumber VALUES (?, ?)", renumber)
             conn.commit()
             conn.execute("ATTACH DATABASE ? AS part", (part,))
-            conn.execute("INSERT INTO postings SELECT p.term, r.rowid, p.col, p.tf "
+            counts = ", ".join(f"p.{c}" for c in FTS_COLUMNS)
+            conn.execute(f"INSERT INTO postings SELECT p.term, r.rowid, {counts}, p.mask "
                          "FROM part.postings p JOIN renumber r USING (pos)")
             conn.execute("INSERT INTO shingles SELECT s.shingle, r.rowid FROM part.shingles s JOIN renumber r USING (pos)")
             conn.commit()
             conn.execute("DETACH DATABASE part")
             conn.execute("DROP TABLE temp.renumber")
-    # Covering: a query's postings are read from the index alone, in (term, rowid, col) order.
-    conn.execute("CREATE INDEX postings_term ON postings (term, rowid, col, tf)")
     conn.execute("CREATE INDEX shingles_shingle ON shingles (shingle)")
     conn.execute("INSERT INTO meta VALUES ('summary', ?)", (json.dumps(summary),))
     conn.executemany("INSERT INTO skipped VALUES (?, ?, ?)", [(e.file, e.field, e.message) for e in skipped])
