@@ -90,3 +90,28 @@ def test_a_killed_helper_costs_time_not_entries(tmp_path, monkeypatch):
 def test_the_helpers_part_file_is_removed(tmp_path, monkeypatch):
     build(default_entries_dir(), tmp_path / "index.sqlite", monkeypatch, 0)
     assert [p.name for p in tmp_path.iterdir()] == ["index.sqlite"]
+
+
+def test_index_reads_entries_without_their_verified_lists_and_show_still_has_them(tmp_path):
+    """The rebuild leaves each entry's `verified` block out of its YAML (search never reads it): everything else
+    must parse the same as the whole file does, and `mleng handbook show --json` still prints the whole list."""
+    import argparse
+
+    from mleng.cli.handbook import show_result
+    from mleng.handbook.model import parse_entry, split_front_matter
+
+    for path in entry_files(default_entries_dir()):
+        text = path.read_text()
+        whole, body = split_front_matter(text, str(path))
+        fast, fast_body = split_front_matter(text, str(path), verified=False)
+        assert fast == {k: v for k, v in whole.items() if k != "verified"}, path.name
+        assert fast_body == body
+    entry = parse_entry(entry_files(default_entries_dir())[0])
+    assert entry.verified
+    index = I.open_index(default_entries_dir(), tmp_path / "index.sqlite")
+    try:
+        assert all(e.data["verified"] == [] for e in index.entries[:50])
+        shown = show_result(argparse.Namespace(id=entry.id), index)
+    finally:
+        index.close()
+    assert shown["verified"] == entry.verified

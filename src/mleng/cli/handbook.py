@@ -106,6 +106,13 @@ def show_result(args, index=None) -> dict:
         close = difflib.get_close_matches(args.id, list(entries), n=3, cutoff=0.4)
         raise UsageError(f"no handbook entry {args.id!r}",
                          hint=("did you mean: " + ", ".join(close)) if close else "see `mleng handbook list`")
+    # The index leaves out each entry's `verified` list (search never reads it); the file has it.
+    from mleng.handbook.model import EntryError, parse_entry
+
+    try:
+        entry = parse_entry(Path(entry["path"])).to_dict()
+    except EntryError:
+        pass
     return {k: v for k, v in entry.items() if k != "path"}
 
 

@@ -213,7 +213,7 @@ def _entry_rows(paths: list[Path]) -> list:
     rows: list = []
     for path in paths:
         try:
-            entry = parse_entry(path)
+            entry = parse_entry(path, verified=False)
         except EntryError as exc:
             rows.append(exc)
             continue

@@ -87,8 +87,9 @@ def _yaml_load(text: str):
     return yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader, C speed when present
 
 
-def split_front_matter(text: str, file: str) -> tuple[dict, str]:
-    """The YAML mapping between the leading `---` lines, and the Markdown body after them."""
+def split_front_matter(text: str, file: str, verified: bool = True) -> tuple[dict, str]:
+    """The YAML mapping between the leading `---` lines, and the Markdown body after them. With
+    verified=False the top-level `verified:` block is left out unparsed (about half of an entry's YAML)."""
     import yaml
 
     lines = text.splitlines(keepends=True)
@@ -99,8 +100,11 @@ def split_front_matter(text: str, file: str) -> tuple[dict, str]:
             break
     else:
         raise EntryError(file, "front matter", "no closing '---' line after the YAML front matter")
+    front = lines[1:end]
+    if not verified:
+        front = _without_key(front, "verified")
     try:
-        meta = _yaml_load("".join(lines[1:end]))
+        meta = _yaml_load("".join(front))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at front-matter line {mark.line + 1}" if mark is not None else ""
@@ -111,6 +115,17 @@ def split_front_matter(text: str, file: str) -> tuple[dict, str]:
     if not isinstance(meta, dict):
         raise EntryError(file, "front matter", "the front matter must be a YAML mapping of keys to values")
     return meta, "".join(lines[end + 1:])
+
+
+def _without_key(lines: list[str], key: str) -> list[str]:
+    """YAML lines without the top-level `key:` and the indented lines under it."""
+    start = next((i for i, line in enumerate(lines) if line.startswith(key + ":")), None)
+    if start is None:
+        return lines
+    stop = start + 1
+    while stop < len(lines) and (lines[stop][:1] in (" ", "\t", "-", "#", "\n", "\r")):
+        stop += 1
+    return lines[:start] + lines[stop:]
 
 
 def split_sections(body: str) -> dict[str, str]:
@@ -173,13 +188,15 @@ def entry_from_meta(meta: dict, body: str, file: str) -> Entry:
     )
 
 
-def parse_entry(path: Path) -> Entry:
+def parse_entry(path: Path, verified: bool = True) -> Entry:
+    """The entry in the file; with verified=False its `verified` list is left empty, unparsed (what search
+    needs, read faster)."""
     file = str(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise EntryError(file, "file", f"cannot be read as UTF-8 text: {exc}") from None
-    meta, body = split_front_matter(text, file)
+    meta, body = split_front_matter(text, file, verified)
     return entry_from_meta(meta, body, file)
 
 
