@@ -177,29 +177,18 @@ def entry_columns(data: dict, symptoms: list[list[str]]) -> list[list[str]]:
     return [symptom_words if c == "symptoms" else T.terms(fields[c]) for c in FTS_COLUMNS]
 
 
-def entry_postings(columns: list[list[str]]) -> list[tuple[str, int, int]]:
-    """(stem, column, tf) of an entry's columns: our own Porter stems (stem.py, also run by the site)."""
-    out = []
-    for col, words in enumerate(columns):
-        counts: dict[str, int] = {}
-        for word in words:
-            term = stem(word)
-            counts[term] = counts.get(term, 0) + 1
-        out.extend((term, col, tf) for term, tf in counts.items())
-    return out
-
-
 def term_rows(columns: list[list[str]]) -> list[tuple]:
-    """The postings-table rows of an entry's columns, without the entry: (stem, tf per column..., mask), the
-    counts entry_postings gives."""
+    """The postings-table rows of an entry's columns (FTS_COLUMNS order), without the entry: (stem, tf per
+    column..., mask of the columns it occurs in), with our own Porter stems (stem.py, also run by the site)."""
     width = len(FTS_COLUMNS)
     per_term: dict[str, list[int]] = {}
     for col, words in enumerate(columns):
         bit = 1 << col
         for word in words:
-            row = per_term.get(stem(word))
+            term = stem(word)
+            row = per_term.get(term)
             if row is None:
-                row = per_term[stem(word)] = [0] * (width + 1)
+                row = per_term[term] = [0] * (width + 1)
             row[col] += 1
             row[width] |= bit
     return [(term, *row) for term, row in per_term.items()]

@@ -422,8 +422,8 @@ def search_data(entries: list[dict]) -> dict:
     """What the page's search needs, compact: entries, postings, lengths, weights and the query-side rules."""
     from mleng.handbook import search as S
     from mleng.handbook import terms as T
-    from mleng.handbook.index import (FTS_COLUMNS, entry_codes, entry_columns, entry_postings, report_counts,
-                                      symptom_terms)
+    from mleng.handbook.index import (FTS_COLUMNS, entry_codes, entry_columns, report_counts, symptom_terms,
+                                      term_rows)
 
     rows, postings, lengths, skipped = [], {}, {}, []
     reports = report_counts()
@@ -431,8 +431,8 @@ def search_data(entries: list[dict]) -> dict:
         lines = symptom_terms(e)
         columns = entry_columns(e, lines)
         lengths[rowid] = sum(len(words) for words in columns)
-        for term, col, tf in entry_postings(columns):
-            postings.setdefault(term, []).append([rowid, col, tf])
+        for term, *counts, _ in term_rows(columns):
+            postings.setdefault(term, []).extend([rowid, col, tf] for col, tf in enumerate(counts) if tf)
         shingle_set = T.entry_shingles(columns[FTS_COLUMNS.index("title")], lines)
         sigs = []
         for pattern in e["signatures"]:
