@@ -7,6 +7,7 @@ cited for another cause than the thread's confirmed one (the entry should drop i
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -23,6 +24,7 @@ def _url(url: str) -> str:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     entries, _ = load_entries(ROOT / "src" / "mleng" / "handbook" / "entries")
     citing: dict[str, set[str]] = {}
     for entry in entries:
