@@ -157,3 +157,15 @@ def test_report_counts_are_current():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "handbook_reports.py"), "--check"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_every_cited_dev_set_thread_is_labelled_with_an_entry_that_cites_it():
+    """A thread an entry cites as a source must name that entry in its dev-set labels, or the entry cites it for
+    another cause (scripts/handbook_citation_labels.py says which; its exit is 1 when any case is left)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "handbook_citation_labels.py")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert result.stdout.startswith("0 of ")

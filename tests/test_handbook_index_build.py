@@ -4,6 +4,7 @@ files and duplicate ids included, and a helper that dies costs time, not entries
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sqlite3
@@ -115,3 +116,30 @@ def test_index_reads_entries_without_their_verified_lists_and_show_still_has_the
     finally:
         index.close()
     assert shown["verified"] == entry.verified
+
+
+def test_show_says_so_when_an_entrys_verified_list_is_malformed(tmp_path, run_mleng):
+    """The index skips the `verified` block, so an entry whose block is broken is still found; `handbook show`
+    reads the file again and must say the list is missing rather than print an empty one as if nothing was checked."""
+    source = default_entries_dir() / "xid-79-fallen-off-bus.md"
+    book = tmp_path / "entries"
+    book.mkdir()
+    text = source.read_text()
+    head, rest = text.split("\nverified:\n", 1)
+    (book / source.name).write_text(head + "\nverified: checked by hand\n" + _after_block(rest))
+    env = {"MLENG_HANDBOOK_DIR": str(book)}
+    shown = run_mleng("handbook", "show", "xid-79-fallen-off-bus", "--json", env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["verified"] == []
+    assert "verified: must be a list of mappings" in shown.stderr and "mleng handbook lint" in shown.stderr
+    assert "Traceback" not in shown.stderr
+    intact = run_mleng("handbook", "show", "xid-79-fallen-off-bus", "--json")
+    assert json.loads(intact.stdout)["verified"] and "warning" not in intact.stderr
+
+
+def _after_block(front_rest: str) -> str:
+    """What follows a top-level YAML block: its indented lines dropped."""
+    lines = front_rest.splitlines(keepends=True)
+    while lines and (lines[0].startswith((" ", "-")) or not lines[0].strip()):
+        lines.pop(0)
+    return "".join(lines)

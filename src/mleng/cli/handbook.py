@@ -111,8 +111,9 @@ def show_result(args, index=None) -> dict:
 
     try:
         entry = parse_entry(Path(entry["path"])).to_dict()
-    except EntryError:
-        pass
+    except EntryError as exc:
+        print(f"mleng handbook show: warning: {exc.file}: {exc.field}: {exc.message}; shown as indexed, without "
+              "its verified list (run `mleng handbook lint`)", file=sys.stderr)
     return {k: v for k, v in entry.items() if k != "path"}
 
 
