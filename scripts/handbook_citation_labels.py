@@ -2,7 +2,7 @@
 cited for another cause than the thread's confirmed one (the entry should drop it) or a label that missed an entry
 (the dev set should name it). A thread behind several dev-set cases (log-line sets take several lines of one log)
 counts the labels of all of them. Prints one line per case and the totals; exit 1 when there is any
-(tests/test_handbook_sets.py runs it).
+(tests/test_handbook_devsets.py runs it).
 
     python scripts/handbook_citation_labels.py
 """
@@ -58,7 +58,8 @@ def main() -> int:
         ids = citing[url] - set(LOG_LINE_ONLY.get(url, ()))
         if ids and not named & ids:
             disagree += 1
-            print(f"{files[url]}: {url} cited by {', '.join(sorted(ids))}; labelled {', '.join(sorted(named)) or '[]'}")
+            print(f"{files[url]}: {url} cited by {', '.join(sorted(ids))}; "
+                  f"labelled {', '.join(sorted(named)) or '[]'}")
     print(f"{disagree} of {cited} cited dev-set threads are labelled with none of the entries citing them")
     return 1 if disagree else 0
 

@@ -10,9 +10,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from mleng.handbook import default_entries_dir
-from mleng.handbook.terms import regex_anchor
 from mleng.handbook.model import (CATEGORIES, OPTIONAL_KEYS, REQUIRED_KEYS, SECTIONS, VERIFIED_KEYS, EntryError,
                                   entry_files, split_front_matter, split_sections)
+from mleng.handbook.terms import regex_anchor
 
 ID_RE = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
 REPRODUCTION_RE = re.compile(r"(?P<file>[\w./-]+\.py)::(?P<function>\w+)")
