@@ -106,11 +106,12 @@ def test_lint_reports_every_rule(book, tmp_path):
     write_entry(book, "repro-no-file", reproduction="tests/no_such_file.py::test_x")
     write_entry(book, "no-fix-section", body=BODY.replace("## Fix\nChange the thing.\n", ""))
     write_entry(book, "out-of-order", body="\n## Why\nw\n\n## What you see\ns\n\n## Confirm\nc\n\n## Fix\nf\n")
+    write_entry(book, "stray-lead", body='  - claim: "pasted after the closing line"\n' + BODY)
     (book / "broken-yaml.md").write_text("---\nid: broken-yaml\ntitle: [unclosed\n---\n" + BODY)
     (book / "no-front-matter.md").write_text(BODY)
 
     count, problems = lint(book)
-    assert count == 25
+    assert count == 26
     by_file: dict[str, list] = {}
     for p in problems:
         by_file.setdefault(Path(p.file).stem, []).append((p.field, p.message))
@@ -130,6 +131,7 @@ def test_lint_reports_every_rule(book, tmp_path):
     assert has("broad-regex", "signatures", "too broad")
     assert has("bare-word", "signatures", "too broad")
     assert has("unanchored", "signatures", "no fixed text that every match contains")
+    assert has("stray-lead", "body", "text before the first section")
     assert has("no-hardware", "applies_to.hardware", "non-empty string")
     assert has("bad-source", "sources", "not an http(s) URL")
     assert has("bad-related", "related", "not the id of any entry")

@@ -215,6 +215,11 @@ def lint_file(path: Path, repo_root: Path | None) -> tuple[str | None, list[str]
         _check_reproduction(meta["reproduction"], repo_root, add)
 
     sections = split_sections(body)
+    lead = body.split("\n## ", 1)[0] if not body.lstrip().startswith("## ") else ""
+    if lead.strip():
+        # Nothing reads text there; a front-matter line pasted after the closing '---' ends up in it unparsed.
+        add("body", f"text before the first section: {lead.strip().splitlines()[0][:60]!r}; move it into the "
+                    "front matter or under a section")
     positions = []
     for name in SECTIONS:
         if name not in sections:
