@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 
 from mleng.handbook import default_entries_dir
 from mleng.handbook.model import (CATEGORIES, OPTIONAL_KEYS, REQUIRED_KEYS, SECTIONS, VERIFIED_KEYS, EntryError,
-                                  entry_files, split_front_matter, split_sections)
+                                  entry_files, split_front_matter, split_sections, text_before_sections)
 from mleng.handbook.terms import regex_anchor
 
 ID_RE = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
@@ -215,7 +215,7 @@ def lint_file(path: Path, repo_root: Path | None) -> tuple[str | None, list[str]
         _check_reproduction(meta["reproduction"], repo_root, add)
 
     sections = split_sections(body)
-    lead = body.split("\n## ", 1)[0] if not body.lstrip().startswith("## ") else ""
+    lead = text_before_sections(body)
     if lead.strip():
         # Nothing reads text there; a front-matter line pasted after the closing '---' ends up in it unparsed.
         add("body", f"text before the first section: {lead.strip().splitlines()[0][:60]!r}; move it into the "

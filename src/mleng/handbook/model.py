@@ -128,6 +128,12 @@ def _without_key(lines: list[str], key: str) -> list[str]:
     return lines[:start] + lines[stop:]
 
 
+def text_before_sections(body: str) -> str:
+    """What a body holds before its first `## Heading` (split_sections drops it)."""
+    first = _SECTION_RE.search(body)
+    return body[:first.start()] if first else body
+
+
 def split_sections(body: str) -> dict[str, str]:
     """`## Heading` -> the text under it, in file order."""
     sections: dict[str, str] = {}
