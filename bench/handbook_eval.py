@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from mleng.handbook.index import open_index
+from mleng.handbook.model import thread_url
 import mleng.handbook.search
 from mleng.handbook.search import REPORT_WEIGHT, accepted_ids, search, words_only
 
@@ -55,19 +56,15 @@ def check_frozen(path: Path) -> str:
     return digest
 
 
-def _normal(url: str) -> str:
-    return url.split("#")[0].rstrip("/")
-
-
 def labelled_cases(path: Path) -> list[dict]:
     cases = yaml.safe_load(path.read_text())
     if path == FROZEN:
         if not LABELS.exists():
             fail(f"{LABELS} does not exist: a frozen set is measured once its labels are committed, "
                  "assigned from the entries' text without running the search")
-        labels = {_normal(x["source"]): x for x in yaml.safe_load(LABELS.read_text())}
+        labels = {thread_url(x["source"]): x for x in yaml.safe_load(LABELS.read_text())}
         for case in cases:
-            label = labels.get(_normal(case["source"]))
+            label = labels.get(thread_url(case["source"]))
             if label is None:
                 fail(f"no label for {case['source']} in {LABELS}")
             case["expected"] = label["expected"]
@@ -77,7 +74,7 @@ def labelled_cases(path: Path) -> list[dict]:
 def cited_urls() -> set[str]:
     urls = set()
     for path in (ROOT / "src" / "mleng" / "handbook" / "entries").glob("*.md"):
-        urls.update(_normal(u) for u in re.findall(r"https?://[^\s\"'<>]+", path.read_text()))
+        urls.update(thread_url(u) for u in re.findall(r"https?://[^\s\"'<>]+", path.read_text()))
     return urls
 
 
@@ -152,7 +149,7 @@ def main() -> int:
         started = time.perf_counter()
         for path in sets:
             rows = measure_labelled(index, labelled_cases(path))
-            fresh = [r for r in rows if not r["source"] or _normal(r["source"]) not in cited]
+            fresh = [r for r in rows if not r["source"] or thread_url(r["source"]) not in cited]
             report["sets"][path.name] = {"all": summary(rows), "threads_not_cited_by_entries": summary(fresh),
                                          "rows": rows}
         for path in oos_sets:

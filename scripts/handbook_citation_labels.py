@@ -18,7 +18,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from mleng.handbook.model import load_entries  # noqa: E402
+from mleng.handbook.model import load_entries, thread_url  # noqa: E402
 
 
 # Threads an entry cites for a log line it quotes (the line's wording), not for the cause, while the dev set takes
@@ -27,12 +27,8 @@ LOG_LINE_ONLY = {
     # a dmesg sample: Xid 13 lines, then an Xid 109 five seconds later on the same GPU; the dev case is an Xid 13 line
     "https://github.com/leptonai/gpud/pull/46": ("xid-109-ctx-switch-timeout",),
     # the FAILED box of a rank that died after a vLLM engine's TCPStore timeout; the dev case is the TCPStore line
-    "https://github.com/lzhxmu/cppo/issues/6": ("torchrun-child-failed-exitcode",),
+    "https://github.com/lzhxmu/CPPO/issues/6": ("torchrun-child-failed-exitcode",),
 }
-
-
-def _url(url: str) -> str:
-    return url.split("#")[0].rstrip("/").lower()
 
 
 def main() -> int:
@@ -41,12 +37,12 @@ def main() -> int:
     citing: dict[str, set[str]] = {}
     for entry in entries:
         for source in entry.sources:
-            citing.setdefault(_url(source), set()).add(entry.id)
+            citing.setdefault(thread_url(source), set()).add(entry.id)
     labels: dict[str, set[str]] = {}
     files: dict[str, str] = {}
     for path in sorted((ROOT / "tests").glob("handbook_devset*.yaml")):
         for case in yaml.safe_load(path.read_text()):
-            url = _url(case["source"])
+            url = thread_url(case["source"])
             if url not in citing:
                 continue
             expected = case.get("expected") or []

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from generated import write_or_check
+from mleng.handbook.model import thread_url
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "src" / "mleng" / "handbook" / "reports.json"
@@ -27,7 +28,7 @@ def counts() -> dict[str, int]:
     for path in sorted((ROOT / "tests").glob("handbook_devset*.yaml")):
         for case in yaml.safe_load(path.read_text()):
             expected = case.get("expected") or []
-            source = case["source"].split("#")[0].rstrip("/")
+            source = thread_url(case["source"])
             for entry_id in [expected] if isinstance(expected, str) else expected:
                 threads.setdefault(entry_id, set()).add(source)
     return {entry_id: len(urls) for entry_id, urls in sorted(threads.items())}

@@ -76,6 +76,11 @@ def _plain_copy(value):
     return value
 
 
+def thread_url(url: str) -> str:
+    """One thread's URL however it is written: no #fragment, no trailing slash (sources, dev sets, labels)."""
+    return url.split("#")[0].rstrip("/")
+
+
 def entry_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.glob("*.md") if p.is_file())
 
