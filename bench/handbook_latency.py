@@ -1,7 +1,10 @@
 """`mleng ask` latency: whole process (start-up, index open, ranking, output), median of N runs with a warm
-index cache, and the time to rebuild the index from the entries. Prints a table; writes JSON.
+index cache, and the time to rebuild the index from the entries: from nothing, and (with --upgrade-from) after an
+upgrade, over the cache an older release's entries left. Prints a table; writes JSON.
 
     python bench/handbook_latency.py                        # the installed `mleng`
+    python bench/handbook_latency.py --upgrade-from 319a32d # also the rebuild after an upgrade from that
+                                                            # commit's entries to this tree's (this tree's code)
     python bench/handbook_latency.py --compare f8373a7      # also older commits' code, side by side, runs
                                                             # interleaved, all on this tree's entries
 """
@@ -45,6 +48,8 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="JSON output (default docs/results/handbook_ask_latency.json, "
                         "with --compare handbook_ask_latency_compare.json)")
     parser.add_argument("--compare", nargs="+", metavar="REV", help="git revisions whose code to time beside this tree's")
+    parser.add_argument("--upgrade-from", metavar="REV", help="git revision whose entries the cache was built from "
+                        "before the upgrade to this tree's entries")
     args = parser.parse_args()
     if args.compare:
         return compare(args)
@@ -61,6 +66,7 @@ def main() -> int:
             times = sorted(_run([mleng, "ask", query], env) for _ in range(args.runs))
             per_query[query] = {"median_s": round(times[len(times) // 2], 4), "min_s": round(times[0], 4),
                                 "max_s": round(times[-1], 4)}
+        upgrade = _upgrade_rebuilds(args.upgrade_from, mleng, Path(tmp)) if args.upgrade_from else None
     entries = len(list((ROOT / "src" / "mleng" / "handbook" / "entries").glob("*.md")))
     medians = sorted(v["median_s"] for v in per_query.values())
     result = {"command": " ".join(["python", "bench/handbook_latency.py", *sys.argv[1:]]), "entries": entries,
@@ -68,14 +74,48 @@ def main() -> int:
               "ask_median_s": medians[len(medians) // 2],
               "rebuild_s": round(sorted(rebuilds)[1] - medians[0], 3),
               "rebuild_whole_process_s": round(sorted(rebuilds)[1], 3)}
+    if upgrade is not None:
+        result["upgrade"] = upgrade
     print(f"mleng ask, whole process, {entries} entries, median of {args.runs} runs (load {result['load_avg_1m']})")
     for query, row in per_query.items():
         print(f"  {row['median_s'] * 1000:6.0f} ms  (min {row['min_s'] * 1000:.0f}, max {row['max_s'] * 1000:.0f})  {query[:60]}")
     print(f"index rebuild: {result['rebuild_s']:.2f} s (whole process {result['rebuild_whole_process_s']:.2f} s)")
+    if upgrade is not None:
+        print(f"index rebuild after an upgrade from {upgrade['from']}'s entries ({upgrade['files_new_or_changed']} of "
+              f"{entries} files new or changed): whole process {upgrade['rebuild_whole_process_s']:.2f} s")
     out = Path(args.out or RESULTS / "handbook_ask_latency.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def _upgrade_rebuilds(rev: str, mleng: str, tmp: Path) -> dict:
+    """`mleng ask` (this tree's code) over an index cache built from `rev`'s entries, after the entries directory
+    was written anew with this tree's entries, as an upgrade does (every file new, changed or not): median of 3."""
+    old = tmp / "old"
+    old.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src/mleng/handbook/entries"],
+                             capture_output=True)
+    if archive.returncode != 0:
+        raise SystemExit(f"--upgrade-from {rev}: not a revision git can export here "
+                         f"({archive.stderr.decode().strip().splitlines()[-1]})")
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+    before = old / "src" / "mleng" / "handbook" / "entries"
+    after = ROOT / "src" / "mleng" / "handbook" / "entries"
+    was = {p.name: p.read_bytes() for p in before.glob("*.md")}
+    changed = sum(1 for p in after.glob("*.md") if was.get(p.name) != p.read_bytes())
+    live = tmp / "upgrade-entries"
+    env = dict(os.environ, MLENG_HOME=str(tmp / "upgrade-home"), MLENG_HANDBOOK_DIR=str(live))
+    times = []
+    for _ in range(3):
+        shutil.rmtree(live, ignore_errors=True)
+        shutil.copytree(before, live)
+        Path(env["MLENG_HOME"], "handbook-index.sqlite").unlink(missing_ok=True)
+        _run([mleng, "ask", "x"], env)
+        shutil.rmtree(live)
+        shutil.copytree(after, live)
+        times.append(_run([mleng, "ask", "x"], env))
+    return {"from": rev, "files_new_or_changed": changed, "rebuild_whole_process_s": round(sorted(times)[1], 3)}
 
 
 def compare(args: argparse.Namespace) -> int:

@@ -1,6 +1,8 @@
 """The index rebuild splits its work over two processes where it can (the helper writes its half's postings
 into a part file that the parent copies in): the index it writes must be the one a serial build writes, skipped
-files and duplicate ids included, and a helper that dies costs time, not entries."""
+files and duplicate ids included, and a helper that dies costs time, not entries. A rebuild over a stale index
+copies the rows of the files it still holds unchanged and parses the rest: the index must be a fresh build's, and a
+stale index of other code, damaged or of an older layout is not used."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from mleng.handbook import index as I
 from mleng.handbook.model import entry_files, load_entries
 
 TABLES = {"entries": "rowid", "postings": "term, rowid", "shingles": "shingle, rowid", "meta": "key",
-          "skipped": "file"}
+          "skipped": "file", "files": "name"}
 
 
 def dump(path) -> dict:
@@ -143,3 +145,92 @@ def _after_block(front_rest: str) -> str:
     while lines and (lines[0].startswith((" ", "-")) or not lines[0].strip()):
         lines.pop(0)
     return "".join(lines)
+
+
+def entry_copy(tmp_path, count: int):
+    entries = tmp_path / "entries"
+    entries.mkdir()
+    for path in entry_files(default_entries_dir())[:count]:
+        shutil.copy(path, entries / path.name)
+    return entries
+
+
+def edit_like_an_upgrade(entries) -> set[str]:
+    """What a new release does to the entries: one rewritten, one removed, one added, and two unusable files
+    (one broken, one reusing an id in a file that sorts before the id's own file, which it displaces). Returns
+    the names of the files that are new or changed, and of the displaced one."""
+    files = sorted(entries.glob("*.md"))
+    text = files[3].read_text()
+    files[3].write_text(text.replace("\n## Fix", "\nOne more sentence of the body.\n\n## Fix", 1))
+    files[5].unlink()
+    shutil.copy(entry_files(default_entries_dir())[-1], entries)
+    (entries / "aaa-broken.md").write_text("---\nid: [not closed\n---\n")
+    (entries / "aab-duplicate.md").write_text(files[7].read_text())
+    for path in entries.glob("*.md"):   # a reinstall: every file written anew, unchanged or not
+        os.utime(path, ns=(path.stat().st_mtime_ns + 10**9,) * 2)
+    new_or_changed = {files[3].name, entry_files(default_entries_dir())[-1].name, "aaa-broken.md", "aab-duplicate.md"}
+    return new_or_changed, files[7].name
+
+
+def rebuild(entries, cache, monkeypatch) -> tuple[dict, list[str]]:
+    """The index rebuilt over a stale cache, and the files it parsed rather than copied."""
+    parsed: list[str] = []
+
+    def recording(paths):
+        parsed.extend(p.name for p in paths)
+        return _serial_rows(paths)
+
+    monkeypatch.setattr(I, "_entry_rows", recording)
+    index = I.open_index(entries, cache)
+    assert index.rebuilt
+    index.close()
+    monkeypatch.setattr(I, "_entry_rows", _serial_rows)
+    return dump(cache), parsed
+
+
+def test_a_rebuild_copies_unchanged_files_and_writes_the_index_a_fresh_build_writes(tmp_path, monkeypatch):
+    entries = entry_copy(tmp_path, 60)
+    cache = tmp_path / "cache" / "index.sqlite"
+    cache.parent.mkdir()
+    I.open_index(entries, cache).close()
+    changed, displaced = edit_like_an_upgrade(entries)
+    upgraded, parsed = rebuild(entries, cache, monkeypatch)
+    fresh = build(entries, tmp_path / "fresh.sqlite", monkeypatch, 10**9)
+    assert upgraded == fresh
+    assert sorted(parsed) == sorted(changed)
+    assert len(upgraded["entries"]) == 60   # one removed, one added; the broken file and the displaced one skipped
+    assert {row[0] for row in upgraded["skipped"]} == {str(entries / "aaa-broken.md"), str(entries / displaced)}
+
+
+def test_a_rebuild_parses_every_file_when_the_code_that_fills_the_index_changed(tmp_path, monkeypatch):
+    entries = entry_copy(tmp_path, 30)
+    cache = tmp_path / "index.sqlite"
+    I.open_index(entries, cache).close()
+    conn = sqlite3.connect(cache)
+    conn.execute("UPDATE meta SET value = 'other code' WHERE key = 'reuse'")
+    conn.execute("UPDATE meta SET value = 'stale' WHERE key = 'fingerprint'")
+    conn.commit()
+    conn.close()
+    upgraded, parsed = rebuild(entries, cache, monkeypatch)
+    assert len(parsed) == 30
+    assert upgraded == build(entries, tmp_path / "fresh.sqlite", monkeypatch, 10**9)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "older layout"])
+def test_a_damaged_or_older_previous_index_is_rebuilt_from_the_files(tmp_path, monkeypatch, damage):
+    entries = entry_copy(tmp_path, 30)
+    cache = tmp_path / "index.sqlite"
+    I.open_index(entries, cache).close()
+    if damage == "truncated":
+        cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 3])
+    elif damage == "garbage":
+        cache.write_bytes(b"not an index at all\n" * 100)
+    else:
+        conn = sqlite3.connect(cache)
+        conn.execute("DROP TABLE files")
+        conn.execute("UPDATE meta SET value = 'stale' WHERE key = 'fingerprint'")
+        conn.commit()
+        conn.close()
+    upgraded, parsed = rebuild(entries, cache, monkeypatch)
+    assert len(parsed) == 30
+    assert upgraded == build(entries, tmp_path / "fresh.sqlite", monkeypatch, 10**9)

@@ -13,7 +13,7 @@ from mleng.handbook import default_entries_dir
 from mleng.handbook.stem import stem
 
 # The layout of the cache file; the fingerprint also covers the code that fills it.
-INDEX_SCHEMA = 10
+INDEX_SCHEMA = 11
 INDEX_FILENAME = "handbook-index.sqlite"
 # Per entry id, how many real user threads of the dev sets had its cause (scripts/handbook_reports.py).
 REPORTS_PATH = Path(__file__).resolve().parent / "reports.json"
@@ -125,6 +125,8 @@ def _create_schema(conn: sqlite3.Connection) -> None:
         -- word 3-grams of each entry's title and symptoms (a near-verbatim paste shares several)
         CREATE TABLE shingles (shingle TEXT NOT NULL, rowid INTEGER NOT NULL);
         CREATE TABLE skipped (file TEXT NOT NULL, field TEXT NOT NULL, message TEXT NOT NULL);
+        -- each indexed entry file's content digest: the next rebuild copies the rows of files still the same
+        CREATE TABLE files (name TEXT PRIMARY KEY, digest TEXT NOT NULL, rowid INTEGER NOT NULL);
     """)
     _create_postings(conn, "rowid")
 
@@ -281,12 +283,73 @@ def _insert_terms(conn: sqlite3.Connection, numbered: list) -> None:
                      [(shingle, rowid) for rowid, (_, entry_shingles) in numbered for shingle in entry_shingles])
 
 
-def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str, scratch: Path | None = None) -> None:
-    """Parse every entry file and write the index. On two or more cores a forked helper parses the second
-    half of the files and writes their postings into its own SQLite file in `scratch`, while this process
-    parses the first half and writes theirs; SQLite then copies the helper's rows in, renumbered. Serial
-    with no `scratch` or where forking is not worth it or not safe (_can_fork), and for the second half
-    when the helper dies; the index is the same either way."""
+def _digest(path: Path) -> str:
+    import hashlib
+
+    return hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
+
+
+def reuse_key(directory: Path) -> str:
+    """What an index's rows depend on besides each file's text: the layout, the content of the code that turns
+    a file into rows (not its mtime: a reinstall of the same code keeps the key), and the directory as read,
+    which the entries' `path` holds."""
+    import hashlib
+
+    here = Path(__file__).resolve().parent
+    code = hashlib.blake2b(digest_size=16)
+    for name in ("index.py", "terms.py", "model.py", "stem.py"):
+        code.update((here / name).read_bytes())
+    return f"{INDEX_SCHEMA}|{code.hexdigest()}|{directory}"
+
+
+class _Reused:
+    """An entry whose file is unchanged since the previous index: its rows are copied from there."""
+    __slots__ = ("rowid", "summary")
+
+    def __init__(self, rowid: int, summary: list):
+        self.rowid, self.summary = rowid, summary
+
+
+def _previous_rows(conn: sqlite3.Connection, previous: Path | None, key: str, files: list[Path],
+                   digests: list[str]) -> dict[int, tuple]:
+    """File position -> (file, id, _Reused) for each file whose name and digest the previous index (attached
+    as `old`) has an entry row for; empty, with nothing attached, where there is no usable previous index."""
+    if previous is None or not previous.is_file():
+        return {}
+    try:
+        conn.execute("ATTACH DATABASE ? AS old", (str(previous),))
+    except sqlite3.Error:
+        return {}
+    try:
+        meta = dict(conn.execute("SELECT key, value FROM old.meta WHERE key IN ('reuse', 'summary')"))
+        if meta.get("reuse") != key:
+            raise LookupError
+        old = {name: (digest, rowid)
+               for name, digest, rowid in conn.execute("SELECT name, digest, rowid FROM old.files")}
+        summary = {row[0]: row for row in json.loads(meta["summary"])}
+    except (sqlite3.Error, ValueError, LookupError, TypeError, IndexError):
+        conn.execute("DETACH DATABASE old")
+        return {}
+    found = {}
+    for pos, (path, digest) in enumerate(zip(files, digests)):
+        was = old.get(path.name)
+        if was is not None and was[0] == digest and was[1] in summary:
+            row = summary[was[1]]
+            found[pos] = (str(path), row[1], _Reused(was[1], row))
+    if not found:
+        conn.execute("DETACH DATABASE old")
+    return found
+
+
+def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str, scratch: Path | None = None,
+          previous: Path | None = None) -> None:
+    """Parse every entry file and write the index. The rows of files unchanged since the `previous` index
+    (same name and content, same reuse_key) are copied from it; only the others are parsed. When there is
+    nothing to reuse and two or more cores, a forked helper parses the second half of the files and writes
+    their postings into its own SQLite file in `scratch`, while this process parses the first half and
+    writes theirs; SQLite then copies the helper's rows in, renumbered. Serial with no `scratch` or where
+    forking is not worth it or not safe (_can_fork), and for the second half when the helper dies; the
+    index is the same either way."""
     import contextlib
     import tempfile
     from concurrent.futures.process import BrokenProcessPool
@@ -295,9 +358,13 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str, scr
 
     files = entry_files(directory)
     _create_schema(conn)
+    key = reuse_key(directory)
+    digests = [_digest(path) for path in files]
+    reused = _previous_rows(conn, previous, key, files, digests)
+    todo = [path for pos, path in enumerate(files) if pos not in reused]
     with contextlib.ExitStack() as stack:
-        half, future, part = len(files), None, None
-        if scratch is not None and _can_fork(len(files)):
+        half, future, part = len(todo), None, None
+        if not reused and scratch is not None and _can_fork(len(todo)):
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
@@ -307,24 +374,38 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str, scr
                 stack.callback(Path(part).unlink, missing_ok=True)
                 pool = stack.enter_context(ProcessPoolExecutor(
                     1, mp_context=multiprocessing.get_context("fork"), initializer=_ignore_sigint))
-                half = len(files) // 2
-                future = pool.submit(_part_rows, files[half:], part)
+                half = len(todo) // 2
+                future = pool.submit(_part_rows, todo[half:], part)
             except (OSError, BrokenProcessPool):
-                half, future = len(files), None
-        rows = _entry_rows(files[:half])
-        # The first half's rowids are final whatever the second half holds (a later file never displaces
-        # an earlier one), so its postings go in while the helper works.
-        first, _ = first_of_each_id(rows)
-        _insert_terms(conn, list(enumerate((value[4] for value in first), start=1)))
+                half, future = len(todo), None
+        parsed = _entry_rows(todo[:half])
+        early = 0
+        if not reused:
+            # The first half's rowids are final whatever the second half holds (a later file never displaces
+            # an earlier one), so its postings go in while the helper works.
+            first, _ = first_of_each_id(parsed)
+            _insert_terms(conn, list(enumerate((value[4] for value in first), start=1)))
+            early = len(first)
         if future is not None:
             try:
-                rows += future.result()
+                parsed += future.result()
             except (BrokenProcessPool, OSError, sqlite3.Error):  # the helper died (out of memory, a signal,
-                rows += _entry_rows(files[half:])                 # a full disk): do its half here
+                parsed += _entry_rows(todo[half:])                # a full disk): do its half here
+        pending = iter(parsed)
+        rows = []
+        for pos, path in enumerate(files):
+            row = reused[pos] if pos in reused else next(pending)
+            rows.append(row if isinstance(row, Exception) else (row[0], row[1], (path.name, digests[pos], row[2])))
         kept, skipped = first_of_each_id(rows)
         reports = report_counts()
-        summary, inline, renumber = [], [], []
-        for rowid, (data, codes, anchors, length, terms) in enumerate(kept, start=1):
+        summary, inline, renumber, copied, indexed = [], [], [], [], []
+        for rowid, (name, digest, value) in enumerate(kept, start=1):
+            indexed.append((name, digest, rowid))
+            if isinstance(value, _Reused):
+                copied.append((value.rowid, rowid))
+                summary.append([rowid, *value.summary[1:8], reports.get(value.summary[1], 0)])
+                continue
+            data, codes, anchors, length, terms = value
             entry_id = data["id"]
             conn.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", (
                 rowid, entry_id, json.dumps(data), json.dumps(codes), json.dumps(anchors), length))
@@ -332,15 +413,28 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str, scr
                             length, reports.get(entry_id, 0)])
             if isinstance(terms, int):
                 renumber.append((terms, rowid))
-            elif rowid > len(first):
+            elif rowid > early:
                 inline.append((rowid, terms))
         _insert_terms(conn, inline)
+        counts = ", ".join(f"p.{c}" for c in FTS_COLUMNS)
+        if copied:
+            conn.execute("CREATE TEMP TABLE copied (old INTEGER PRIMARY KEY, rowid INTEGER NOT NULL)")
+            conn.executemany("INSERT INTO copied VALUES (?, ?)", copied)
+            conn.execute("INSERT INTO entries SELECT c.rowid, o.id, o.data, o.codes, o.anchors, o.length "
+                         "FROM old.entries o JOIN copied c ON o.rowid = c.old")
+            conn.execute(f"INSERT INTO postings SELECT p.term, c.rowid, {counts}, p.mask "
+                         "FROM old.postings p JOIN copied c ON p.rowid = c.old")
+            conn.execute("INSERT INTO shingles SELECT s.shingle, c.rowid "
+                         "FROM old.shingles s JOIN copied c ON s.rowid = c.old")
+            conn.commit()
+            conn.execute("DROP TABLE temp.copied")
+        if reused:
+            conn.execute("DETACH DATABASE old")
         if renumber:
             conn.execute("CREATE TEMP TABLE renumber (pos INTEGER PRIMARY KEY, rowid INTEGER NOT NULL)")
             conn.executemany("INSERT INTO renumber VALUES (?, ?)", renumber)
             conn.commit()
             conn.execute("ATTACH DATABASE ? AS part", (part,))
-            counts = ", ".join(f"p.{c}" for c in FTS_COLUMNS)
             conn.execute(f"INSERT INTO postings SELECT p.term, r.rowid, {counts}, p.mask "
                          "FROM part.postings p JOIN renumber r USING (pos)")
             conn.execute("INSERT INTO shingles SELECT s.shingle, r.rowid FROM part.shingles s JOIN renumber r USING (pos)")
@@ -350,7 +444,9 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str, scr
     conn.execute("CREATE INDEX shingles_shingle ON shingles (shingle)")
     conn.execute("INSERT INTO meta VALUES ('summary', ?)", (json.dumps(summary),))
     conn.executemany("INSERT INTO skipped VALUES (?, ?, ?)", [(e.file, e.field, e.message) for e in skipped])
+    conn.executemany("INSERT INTO files VALUES (?, ?, ?)", indexed)
     conn.execute("INSERT INTO meta VALUES ('fingerprint', ?)", (print_fingerprint,))
+    conn.execute("INSERT INTO meta VALUES ('reuse', ?)", (key,))
     conn.commit()
 
 
@@ -402,7 +498,8 @@ def open_index(directory: Path | None = None, cache_path: Path | None = None) ->
     try:
         conn = _connect_for_writing(tmp_name)
         try:
-            _fill(conn, directory, current, cache_path.parent)
+            # The stale cache (if any) is the previous index: the rows of unchanged files come from it.
+            _fill(conn, directory, current, cache_path.parent, previous=cache_path)
         finally:
             conn.close()
         os.replace(tmp_name, cache_path)
