@@ -38,17 +38,18 @@ def entry_ids():
     return {e.id for e in load_entries(ENTRIES)[0]}
 
 
-def search_quality(name: str, cases: list[dict], index) -> tuple[dict, str]:
-    """hit@1/hit@3 of `mleng ask` on a dev set, printed, and its top-3 misses as one text."""
-    result = evaluate(cases, index, depth=3)
+def search_quality(name: str, cases: list[dict], dev_search) -> tuple[dict, str]:
+    """hit@1/hit@3 of `mleng ask` on a dev set, printed, and its top-3 misses as one text (the session's answers,
+    which the site's and the MCP server's parity tests compare with too)."""
+    result = evaluate(cases, None, depth=3, answers=dev_search)
     print(f"\n{name}: {result['cases']} queries, hit@1 {result['hit_at_1']:.3f}, hit@3 {result['hit_at_3']:.3f}")
     misses = [f"{'/'.join(_expected(c))} <- {r['query'][:80]!r} (got {r['got']})"
               for c, r in zip(cases, result["rows"]) if not r["position"]]
     return result, "\n".join(misses)
 
 
-def test_search_quality_on_devset2(dev_index):
-    result, misses = search_quality("dev set 2", yaml.safe_load(DEVSET2.read_text()), dev_index)
+def test_search_quality_on_devset2(dev_search):
+    result, misses = search_quality("dev set 2", yaml.safe_load(DEVSET2.read_text()), dev_search)
     assert result["hit_at_3"] >= 0.9, misses
 
 
@@ -132,10 +133,10 @@ def test_retired_frozen_set_labels_name_entries(name, entry_ids):
 
 
 @pytest.mark.parametrize("name", sorted(RETIRED))
-def test_search_quality_on_retired_frozen_set_covered(name, dev_index):
+def test_search_quality_on_retired_frozen_set_covered(name, dev_search):
     path, _, floor = RETIRED[name]
     covered = [c for c in yaml.safe_load(path.read_text()) if c["expected"]]
-    result, misses = search_quality(f"{name} (covered cases)", covered, dev_index)
+    result, misses = search_quality(f"{name} (covered cases)", covered, dev_search)
     assert result["hit_at_3"] >= floor, misses
 
 
