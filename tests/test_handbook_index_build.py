@@ -216,7 +216,7 @@ def test_a_rebuild_parses_every_file_when_the_code_that_fills_the_index_changed(
     assert upgraded == build(entries, tmp_path / "fresh.sqlite", monkeypatch, 10**9)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "older layout"])
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "older layout", "postings pages"])
 def test_a_damaged_or_older_previous_index_is_rebuilt_from_the_files(tmp_path, monkeypatch, damage):
     entries = entry_copy(tmp_path, 30)
     cache = tmp_path / "index.sqlite"
@@ -225,6 +225,15 @@ def test_a_damaged_or_older_previous_index_is_rebuilt_from_the_files(tmp_path, m
         cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 3])
     elif damage == "garbage":
         cache.write_bytes(b"not an index at all\n" * 100)
+    elif damage == "postings pages":   # its meta and files tables still read: the copy itself fails
+        conn = sqlite3.connect(cache)
+        conn.execute("UPDATE meta SET value = 'stale' WHERE key = 'fingerprint'")
+        conn.commit()
+        conn.close()
+        data = bytearray(cache.read_bytes())
+        size = len(data)
+        data[size * 2 // 5: size * 3 // 5] = b"\xff" * (size * 3 // 5 - size * 2 // 5)
+        cache.write_bytes(bytes(data))
     else:
         conn = sqlite3.connect(cache)
         conn.execute("DROP TABLE files")

@@ -450,6 +450,16 @@ def _fill(conn: sqlite3.Connection, directory: Path, print_fingerprint: str, scr
     conn.commit()
 
 
+def _fill_file(path: str, directory: Path, print_fingerprint: str, scratch: Path, previous: Path | None) -> None:
+    """_fill into the SQLite file `path`, emptied first."""
+    Path(path).write_bytes(b"")
+    conn = _connect_for_writing(path)
+    try:
+        _fill(conn, directory, print_fingerprint, scratch, previous)
+    finally:
+        conn.close()
+
+
 def _read_fingerprint(path: Path) -> str | None:
     """The cached file's fingerprint, or None when it is missing, foreign or corrupt."""
     if not path.is_file():
@@ -496,12 +506,12 @@ def open_index(directory: Path | None = None, cache_path: Path | None = None) ->
         _fill(conn, directory, current)
         return Index(conn, None, rebuilt=True)
     try:
-        conn = _connect_for_writing(tmp_name)
         try:
             # The stale cache (if any) is the previous index: the rows of unchanged files come from it.
-            _fill(conn, directory, current, cache_path.parent, previous=cache_path)
-        finally:
-            conn.close()
+            _fill_file(tmp_name, directory, current, cache_path.parent, previous=cache_path)
+        except sqlite3.DatabaseError:
+            # The previous index was damaged past the tables that said it could be used: start again without it.
+            _fill_file(tmp_name, directory, current, cache_path.parent, previous=None)
         os.replace(tmp_name, cache_path)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
