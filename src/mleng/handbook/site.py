@@ -79,6 +79,16 @@ SCRIPT = r"""
             sigs: e[5].map(function (s) { return {re: new RegExp(s[0], s[1]), lit: s[2], anchor: s[3], src: s[4]}; }),
             codes: e[6], shingles: new Set(e[7]), reports: e[8]};
   });
+  // Where a query's score can come from, by entry: an entry reached by none of these (and no BM25 term) scores 0.
+  var CODE_DF = new Map(), BY_CODE = new Map(), BY_ANCHOR = new Map(), BY_SHINGLE = new Map(), ALWAYS = [];
+  function file(map, key, e) { if (!map.has(key)) map.set(key, []); map.get(key).push(e); }
+  ENTRIES.forEach(function (e) {
+    e.codes.forEach(function (c) { CODE_DF.set(c, (CODE_DF.get(c) || 0) + 1); file(BY_CODE, c, e); });
+    e.shingles.forEach(function (sh) { file(BY_SHINGLE, sh, e); });
+    var always = false;
+    e.sigs.forEach(function (sg) { if (!sg.anchor) always = true; else sg.anchor.forEach(function (a) { file(BY_ANCHOR, a, e); }); });
+    if (always) ALWAYS.push(e);
+  });
   var LENGTHS = D.lengths, AVG = 0, NROWS = 0;
   Object.keys(LENGTHS).forEach(function (k) { AVG += LENGTHS[k]; NROWS += 1; });
   AVG = AVG / Math.max(1, NROWS);
@@ -228,9 +238,16 @@ SCRIPT = r"""
     var lowered = query.toLowerCase(), qcodes = errorCodes(query), qsh = shingles(words, 3), qpairs = shingles(words, 2);
     var short = qt.weight.size <= C.short_query_terms, domain = Array.from(domainWords(words)).sort(), wordSet = new Set(words);
     var pasted = PASTED.test(query);
-    var codeDf = new Map(); ENTRIES.forEach(function (e) { e.codes.forEach(function (c) { codeDf.set(c, (codeDf.get(c) || 0) + 1); }); });
+    var reach = new Set(bm25.keys());
+    function add(list) { if (list) list.forEach(function (e) { reach.add(e.rowid); }); }
+    ALWAYS.forEach(function (e) { reach.add(e.rowid); });
+    BY_ANCHOR.forEach(function (list, a) { if (lowered.indexOf(a) >= 0) add(list); });
+    qcodes.forEach(function (c) { add(BY_CODE.get(c)); });
+    qsh.forEach(function (sh) { add(BY_SHINGLE.get(sh)); });
+    qpairs.forEach(function (sh) { add(BY_SHINGLE.get(sh)); });
     var scored = [];
     ENTRIES.forEach(function (e) {
+      if (!reach.has(e.rowid)) return;
       var text = best > 0 ? (bm25.get(e.rowid) || 0) / best : 0;
       var found = [], hits = [];
       e.sigs.forEach(function (s) {
@@ -241,7 +258,7 @@ SCRIPT = r"""
       found.sort(function (a, b) { return b - a; });
       var sig = C.signature_weight * found.slice(0, C.max_signature_hits).reduce(function (a, b) { return a + b; }, 0);
       var shared = e.codes.filter(function (c) { return qcodes.has(c); }).sort();
-      var code = shared.reduce(function (a, c) { return a + codeWeight(c) / Math.sqrt(codeDf.get(c)); }, 0);
+      var code = shared.reduce(function (a, c) { return a + codeWeight(c) / Math.sqrt(CODE_DF.get(c)); }, 0);
       var nph = 0, whole = 0; qsh.forEach(function (s) { if (e.shingles.has(s)) nph++; });
       qpairs.forEach(function (s) { if (e.shingles.has(s)) whole++; }); nph += whole;
       var phrase = C.phrase_weight * Math.min(nph, C.phrase_saturation) / C.phrase_saturation;
