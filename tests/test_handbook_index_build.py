@@ -202,44 +202,36 @@ def test_a_rebuild_copies_unchanged_files_and_writes_the_index_a_fresh_build_wri
     assert {row[0] for row in upgraded["skipped"]} == {str(entries / "aaa-broken.md"), str(entries / displaced)}
 
 
-def test_a_rebuild_parses_every_file_when_the_code_that_fills_the_index_changed(tmp_path, monkeypatch):
-    entries = entry_copy(tmp_path, 30)
-    cache = tmp_path / "index.sqlite"
-    I.open_index(entries, cache).close()
+def run_sql(cache, *statements: str) -> None:
     conn = sqlite3.connect(cache)
-    conn.execute("UPDATE meta SET value = 'other code' WHERE key = 'reuse'")
-    conn.execute("UPDATE meta SET value = 'stale' WHERE key = 'fingerprint'")
+    for statement in statements:
+        conn.execute(statement)
     conn.commit()
     conn.close()
-    upgraded, parsed = rebuild(entries, cache, monkeypatch)
-    assert len(parsed) == 30
-    assert upgraded == build(entries, tmp_path / "fresh.sqlite", monkeypatch, 10**9)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "older layout", "postings pages"])
-def test_a_damaged_or_older_previous_index_is_rebuilt_from_the_files(tmp_path, monkeypatch, damage):
+STALE = "UPDATE meta SET value = 'stale' WHERE key = 'fingerprint'"
+
+
+@pytest.mark.parametrize("damage", ["other code", "truncated", "garbage", "older layout", "postings pages"])
+def test_a_previous_index_of_other_code_damaged_or_older_is_not_reused(tmp_path, monkeypatch, damage):
     entries = entry_copy(tmp_path, 30)
     cache = tmp_path / "index.sqlite"
     I.open_index(entries, cache).close()
-    if damage == "truncated":
+    if damage == "other code":
+        run_sql(cache, "UPDATE meta SET value = 'other code' WHERE key = 'reuse'", STALE)
+    elif damage == "truncated":
         cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 3])
     elif damage == "garbage":
         cache.write_bytes(b"not an index at all\n" * 100)
-    elif damage == "postings pages":   # its meta and files tables still read: the copy itself fails
-        conn = sqlite3.connect(cache)
-        conn.execute("UPDATE meta SET value = 'stale' WHERE key = 'fingerprint'")
-        conn.commit()
-        conn.close()
+    elif damage == "older layout":
+        run_sql(cache, "DROP TABLE files", STALE)
+    else:   # postings pages overwritten: its meta and files tables still read, the copy itself fails
+        run_sql(cache, STALE)
         data = bytearray(cache.read_bytes())
         size = len(data)
         data[size * 2 // 5: size * 3 // 5] = b"\xff" * (size * 3 // 5 - size * 2 // 5)
         cache.write_bytes(bytes(data))
-    else:
-        conn = sqlite3.connect(cache)
-        conn.execute("DROP TABLE files")
-        conn.execute("UPDATE meta SET value = 'stale' WHERE key = 'fingerprint'")
-        conn.commit()
-        conn.close()
     upgraded, parsed = rebuild(entries, cache, monkeypatch)
     assert len(parsed) == 30
     assert upgraded == build(entries, tmp_path / "fresh.sqlite", monkeypatch, 10**9)
