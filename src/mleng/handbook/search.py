@@ -368,7 +368,7 @@ def accepted_ids(case: dict) -> set[str]:
     return {*expected, *case.get("also", [])}
 
 
-def evaluate(cases: list[dict], index: Index, depth: int = 3, answers=None) -> dict:
+def evaluate(cases: list[dict], index: Index | None, depth: int = 3, answers=None) -> dict:
     """hit@1 and hit@depth of the ranking over labelled cases ({"query", "expected", "also"?}, see accepted_ids).
     `answers`: query -> search() output with at least `depth` results, where they are already at hand (the first
     results do not depend on the limit)."""
