@@ -46,6 +46,6 @@ def test_devset4a_gap_cases_name_the_entries_written_for_them():
         assert case["source"] in text, f"{case['expected']} should cite the thread it was written from"
 
 
-def test_search_quality_on_devset4a(dev_index):
-    result, misses = search_quality("dev set 4a", _cases(), dev_index)
+def test_search_quality_on_devset4a(dev_search):
+    result, misses = search_quality("dev set 4a", _cases(), dev_search)
     assert result["hit_at_3"] >= MIN_HIT_AT_3, misses
