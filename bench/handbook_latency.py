@@ -89,18 +89,21 @@ def main() -> int:
     return 0
 
 
+def _export(flag: str, rev: str, path: str, target: Path) -> Path:
+    """`path` as it is at git revision `rev`, extracted under `target`; a revision git cannot export ends the bench."""
+    target.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, path], capture_output=True)
+    if archive.returncode != 0:
+        raise SystemExit(f"{flag} {rev}: not a revision git can export here "
+                         f"({archive.stderr.decode().strip().splitlines()[-1]})")
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    return target / path
+
+
 def _upgrade_rebuilds(rev: str, mleng: str, tmp: Path) -> dict:
     """`mleng ask` (this tree's code) over an index cache built from `rev`'s entries, after the entries directory
     was written anew with this tree's entries, as an upgrade does (every file new, changed or not): median of 3."""
-    old = tmp / "old"
-    old.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src/mleng/handbook/entries"],
-                             capture_output=True)
-    if archive.returncode != 0:
-        raise SystemExit(f"--upgrade-from {rev}: not a revision git can export here "
-                         f"({archive.stderr.decode().strip().splitlines()[-1]})")
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
-    before = old / "src" / "mleng" / "handbook" / "entries"
+    before = _export("--upgrade-from", rev, "src/mleng/handbook/entries", tmp / "old")
     after = ROOT / "src" / "mleng" / "handbook" / "entries"
     was = {p.name: p.read_bytes() for p in before.glob("*.md")}
     changed = sum(1 for p in after.glob("*.md") if was.get(p.name) != p.read_bytes())
@@ -125,14 +128,7 @@ def compare(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         sources = {}
         for rev in args.compare:
-            target = Path(tmp, rev)
-            target.mkdir()
-            archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src"], capture_output=True)
-            if archive.returncode != 0:
-                raise SystemExit(f"--compare {rev}: not a revision git can export here "
-                                 f"({archive.stderr.decode().strip().splitlines()[-1]})")
-            subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
-            sources[rev] = target / "src"
+            sources[rev] = _export("--compare", rev, "src", Path(tmp, rev))
         sources["this tree"] = ROOT / "src"
         for src in sources.values():
             _byte_compile(src)

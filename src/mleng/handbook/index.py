@@ -17,6 +17,8 @@ INDEX_SCHEMA = 11
 INDEX_FILENAME = "handbook-index.sqlite"
 # Per entry id, how many real user threads of the dev sets had its cause (scripts/handbook_reports.py).
 REPORTS_PATH = Path(__file__).resolve().parent / "reports.json"
+# The code that turns an entry file into index rows (in this directory).
+CODE_FILES = ("index.py", "terms.py", "model.py", "stem.py")
 FTS_COLUMNS = ("title", "symptoms", "signatures", "codes", "tags", "cause", "confirm", "fix", "seen", "body")
 
 
@@ -34,7 +36,7 @@ def fingerprint(directory: Path) -> str:
     comparing some 40 kB costs nothing, and `mleng ask` need not load OpenSSL for hashlib."""
     parts = [f"{__version__}|{INDEX_SCHEMA}|{directory.resolve()}"]
     here = Path(__file__).resolve().parent
-    for path in (here / "index.py", here / "terms.py", here / "model.py", here / "stem.py", REPORTS_PATH):
+    for path in (*(here / name for name in CODE_FILES), REPORTS_PATH):
         stat = path.stat()
         parts.append(f"{path.name}:{stat.st_mtime_ns}:{stat.st_size}")
     try:
@@ -297,7 +299,7 @@ def reuse_key(directory: Path) -> str:
 
     here = Path(__file__).resolve().parent
     code = hashlib.blake2b(digest_size=16)
-    for name in ("index.py", "terms.py", "model.py", "stem.py"):
+    for name in CODE_FILES:
         code.update((here / name).read_bytes())
     return f"{INDEX_SCHEMA}|{code.hexdigest()}|{directory}"
 
