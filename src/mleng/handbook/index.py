@@ -95,6 +95,17 @@ class Index:
         # Built on the first query, so opening the index stays cheap.
         self._anchors: dict[str, list[IndexedEntry]] | None = None
         self._code_entries: dict[str, list[IndexedEntry]] | None = None
+        self._norms: tuple[tuple[float, float], list[float]] | None = None
+
+    def length_norms(self, k1: float, b: float) -> list[float]:
+        """BM25's length normalisation k1 * (1 - b + b * length / average length) by rowid (index 0 unused),
+        worked out once per index rather than once per posting."""
+        if self._norms is None or self._norms[0] != (k1, b):
+            norms = [0.0] * (len(self.entries) + 1)
+            for rowid, length in self.lengths.items():
+                norms[rowid] = k1 * (1 - b + b * length / self.average_length)
+            self._norms = ((k1, b), norms)
+        return self._norms[1]
 
     def anchor_entries(self) -> dict[str, list[IndexedEntry]]:
         """Anchor literal -> the entries with a signature that needs it (each entry once per literal). A

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import re
 from pathlib import Path
 
@@ -109,17 +111,15 @@ def _bm25_scores(index: Index, weighted: dict[str, float]) -> tuple[dict[int, fl
     postings = index.conn.execute(
         f"SELECT term, rowid, {weighted_tf}, mask FROM postings WHERE term IN ({placeholders}) ORDER BY term, rowid",
         [COLUMN_WEIGHTS[c] for c in FTS_COLUMNS] + list(query.weight)).fetchall()
-    per_term: dict[str, list] = {}
-    for row in postings:
-        per_term.setdefault(row[0], []).append(row)
     scores: dict[int, float] = {}
-    lengths, average = index.lengths, index.average_length
-    for term, rows in per_term.items():
+    norms, k1_plus_1 = index.length_norms(BM25_K1, BM25_B), BM25_K1 + 1
+    for term, group in itertools.groupby(postings, key=operator.itemgetter(0)):
+        rows = list(group)
         query.df[term] = len(rows)
         weight = query.weight[term] * query.idf(term)
+        get = scores.get
         for _, rowid, f, _ in rows:
-            norm = BM25_K1 * (1 - BM25_B + BM25_B * lengths[rowid] / average)
-            scores[rowid] = scores.get(rowid, 0.0) + weight * f * (BM25_K1 + 1) / (f + norm)
+            scores[rowid] = get(rowid, 0.0) + weight * f * k1_plus_1 / (f + norms[rowid])
     return scores, query, postings
 
 
