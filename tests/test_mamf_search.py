@@ -33,18 +33,21 @@ class SyntheticTimer:
     """measure(shape, iters): per-iteration times around the surface's time, jittered symmetrically
     so the median is exact; counts calls."""
 
-    def __init__(self, seconds_per_call: float = 0.0, interrupt_after: int | None = None):
+    def __init__(self, seconds_per_call: float = 0.0, interrupt_after: int | None = None, clock=None):
         self.calls = 0
         self.shapes: list[Shape] = []
         self.seconds_per_call = seconds_per_call
         self.interrupt_after = interrupt_after
+        self.clock = clock
 
     def __call__(self, shape: Shape, iters: int, phase: str) -> TimingStats:
         if self.interrupt_after is not None and self.calls >= self.interrupt_after:
             raise KeyboardInterrupt
         self.calls += 1
         self.shapes.append(shape)
-        if self.seconds_per_call:
+        if self.clock is not None:
+            self.clock.now += self.seconds_per_call
+        elif self.seconds_per_call:
             time.sleep(self.seconds_per_call)
         t = shape.flops / (synthetic_tflops(shape) * 1e12)
         jitter = [0.0] + [j * 0.002 * sign for j in range(1, iters // 2 + 1) for sign in (1, -1)]
@@ -85,12 +88,27 @@ def test_search_stops_at_the_time_budget_and_keeps_the_best_so_far():
     assert result.best.tflops_median == max(r.tflops_median for r in result.results if r.phase == "final")
 
 
-def test_a_short_budget_with_the_peak_as_seed_reaches_it_where_the_unseeded_search_does_not():
+class FakeClock:
+    """The search's clock for a budget counted in timer calls, not in how fast this machine runs Python."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_short_budget_with_the_peak_as_seed_reaches_it_where_the_unseeded_search_does_not(monkeypatch):
+    import mleng.measure.matmul.search as search_module
+
     space = SearchSpace(1024, 16384, 64)
-    unseeded = adaptive_search(SyntheticTimer(seconds_per_call=0.002), space, deadline=time.monotonic() + 0.3,
-                               sm_count=132)
-    seeded = adaptive_search(SyntheticTimer(seconds_per_call=0.002), space, deadline=time.monotonic() + 0.3,
-                             sm_count=132, seeds=[Shape(8192, 1024, 2048), PEAK])
+    results = []
+    for seeds in ((), [Shape(8192, 1024, 2048), PEAK]):
+        clock = FakeClock()
+        monkeypatch.setattr(search_module, "time", clock)
+        results.append(adaptive_search(SyntheticTimer(seconds_per_call=0.002, clock=clock), space,
+                                       deadline=clock.now + 0.3, sm_count=132, seeds=seeds))
+    unseeded, seeded = results
     assert unseeded.stop_reason == seeded.stop_reason == "time budget"
     assert unseeded.best.tflops_median < 0.97 * PEAK_TFLOPS
     assert seeded.best.shape == PEAK and seeded.best.phase == "final"
