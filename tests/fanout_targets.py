@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -42,7 +43,11 @@ def fail_or_wait(device, args, sync, send):
 
 def stream_until_stopped(device, args, sync, send):
     """Rows in step until stopped. 'cpu:keeps' returns what it has on the interrupt (as mamf does);
-    'cpu:stubborn' ignores it and is killed after the grace time; the others let the KeyboardInterrupt end them."""
+    'cpu:stubborn' ignores it and is killed after the grace time; 'cpu:deaf' blocks the stop signals, as a
+    child does whose signal arrives late, so only the broken barrier stops it; the others let the
+    KeyboardInterrupt end them."""
+    if device == "cpu:deaf":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     sent = []
     try:
         for step in range(100_000):

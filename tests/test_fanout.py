@@ -70,3 +70,21 @@ def test_a_stop_signal_keeps_every_devices_rows(signum, code):
     assert keeps["error"] is None and keeps["result"]["rows"] == len(keeps["messages"]) >= 1
     assert "did not stop within 2 s" in stubborn["error"] and len(stubborn["messages"]) >= 1
     assert "Traceback" not in stderr
+
+
+def test_a_device_stopped_only_by_its_broken_barrier_is_interrupted_not_failed():
+    """Under load a child's own stop signal can land after a peer's interrupt broke the barrier it waits at."""
+    script = Path(fanout_targets.__file__)
+    process = subprocess.Popen([sys.executable, str(script), "cpu", "cpu:deaf"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=20)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr
+    plain, deaf = json.loads(stdout)
+    assert [plain["status"], deaf["status"]] == ["interrupted", "interrupted"]
+    assert "another device stopped" in deaf["error"] and len(deaf["messages"]) >= 1

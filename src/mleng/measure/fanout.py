@@ -16,6 +16,8 @@ STOP_GRACE_S = 30.0
 # The longest a child waits at sync() for the others; past it the barrier breaks and the run fails.
 SYNC_TIMEOUT_S = 600.0
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+# A child's report when a peer broke the barrier: the parent, which knows whether it sent a stop, settles it.
+_PEER_STOPPED = "peer-stopped"
 
 # target(device, args, sync, send) -> result, run in the child; sync() waits for every device,
 # send(payload) streams one message to the parent.
@@ -36,6 +38,10 @@ class DeviceOutcome:
 
 class SyncBroken(MlengError):
     """sync() cannot bring the devices together any more: another one failed, or the wait timed out."""
+
+
+class PeerStopped(SyncBroken):
+    """sync() found the barrier broken by another device that stopped or failed."""
 
 
 def run_per_device(target: Target, devices: list[str], *, args: Any = None,
@@ -127,6 +133,9 @@ class _Collection:
         outcome = self.outcomes[index]
         if kind == "done":
             outcome.status, outcome.result, outcome.error = payload
+            if outcome.status == _PEER_STOPPED:
+                # A stop signal of ours can reach a child after the barrier it waits at broke.
+                outcome.status = "interrupted" if self.stopping else "failed"
             return
         outcome.messages.append(payload)
         if self.on_message is not None and self.callback_error is None:
@@ -209,7 +218,7 @@ def _child(index: int, device: str, target: Target, args: Any, barrier, pipe, sy
             # A peer stopped by Ctrl-C breaks the barrier; our own stop signal is then on its way and
             # makes this run "interrupted" rather than "failed".
             time.sleep(1.0)
-            raise SyncBroken("stopped: another device stopped, so the devices can no longer run in step") from None
+            raise PeerStopped("stopped: another device stopped, so the devices can no longer run in step") from None
 
     def send(payload: Any) -> None:
         pipe.send(("message", payload))
@@ -223,6 +232,8 @@ def _child(index: int, device: str, target: Target, args: Any, barrier, pipe, sy
         status = "interrupted" if signals.received is not None else "complete"
     except KeyboardInterrupt:
         status = "interrupted"
+    except PeerStopped as exc:
+        status, error = _PEER_STOPPED, exc.message
     except MlengError as exc:
         error = exc.message
     except BaseException as exc:  # noqa: BLE001 - the parent reports it; a traceback here says less
