@@ -50,21 +50,29 @@ def test_a_failing_device_is_named_and_the_others_are_not_left_waiting(how, erro
         assert waiting.status == "failed" and "another device stopped" in waiting.error
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_stop_signal_keeps_every_devices_rows(signum, code):
+def interrupted_parent(devices: list[str], signum: int, settle_s: float = 0.0) -> tuple[int, list[dict], str]:
+    """Start fanout_targets.py as a parent over devices, send it signum once every device has streamed a row
+    (and settle_s more), and return its exit code, the outcomes it printed and its stderr."""
     script = Path(fanout_targets.__file__)
-    process = subprocess.Popen([sys.executable, str(script), "cpu", "cpu:keeps", "cpu:stubborn"],
+    process = subprocess.Popen([sys.executable, str(script), *devices],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:
         assert process.stdout.readline().strip() == "ready"
-        time.sleep(0.3)
+        time.sleep(settle_s)
         process.send_signal(signum)
         stdout, stderr = process.communicate(timeout=20)
     finally:
         process.kill()
-    assert process.returncode == code, stderr
-    plain, keeps, stubborn = json.loads(stdout)
+    assert process.returncode is not None and stdout, stderr
+    return process.returncode, json.loads(stdout), stderr
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_stop_signal_keeps_every_devices_rows(signum, code):
+    returncode, (plain, keeps, stubborn), stderr = interrupted_parent(
+        ["cpu", "cpu:keeps", "cpu:stubborn"], signum, settle_s=0.3)
+    assert returncode == code, stderr
     assert [o["status"] for o in (plain, keeps, stubborn)] == ["interrupted"] * 3
     assert plain["error"] is None and plain["result"] is None and len(plain["messages"]) >= 1
     assert keeps["error"] is None and keeps["result"]["rows"] == len(keeps["messages"]) >= 1
@@ -74,17 +82,7 @@ def test_a_stop_signal_keeps_every_devices_rows(signum, code):
 
 def test_a_device_stopped_only_by_its_broken_barrier_is_interrupted_not_failed():
     """Under load a child's own stop signal can land after a peer's interrupt broke the barrier it waits at."""
-    script = Path(fanout_targets.__file__)
-    process = subprocess.Popen([sys.executable, str(script), "cpu", "cpu:deaf"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    try:
-        assert process.stdout.readline().strip() == "ready"
-        process.send_signal(signal.SIGINT)
-        stdout, stderr = process.communicate(timeout=20)
-    finally:
-        process.kill()
-    assert process.returncode == 130, stderr
-    plain, deaf = json.loads(stdout)
+    returncode, (plain, deaf), stderr = interrupted_parent(["cpu", "cpu:deaf"], signal.SIGINT)
+    assert returncode == 130, stderr
     assert [plain["status"], deaf["status"]] == ["interrupted", "interrupted"]
     assert "another device stopped" in deaf["error"] and len(deaf["messages"]) >= 1

@@ -108,6 +108,10 @@ class _Collection:
         self.killed: set[int] = set()
         self.callback_error: BaseException | None = None
 
+    def cut_short(self) -> str:
+        """The status of a device that ended without finishing: ours to stop, or its own failure."""
+        return "interrupted" if self.stopping else "failed"
+
     def pending(self) -> list[int]:
         return [o.index for o in self.outcomes if o.status is None]
 
@@ -135,7 +139,7 @@ class _Collection:
             outcome.status, outcome.result, outcome.error = payload
             if outcome.status == _PEER_STOPPED:
                 # A stop signal of ours can reach a child after the barrier it waits at broke.
-                outcome.status = "interrupted" if self.stopping else "failed"
+                outcome.status = self.cut_short()
             return
         outcome.messages.append(payload)
         if self.on_message is not None and self.callback_error is None:
@@ -147,7 +151,7 @@ class _Collection:
     def _ended_silently(self, index: int) -> None:
         outcome, process = self.outcomes[index], self.processes[index]
         if process.pid is None:
-            outcome.status = "interrupted" if self.stopping else "failed"
+            outcome.status = self.cut_short()
             outcome.error = "its process did not start"
             return
         process.join(5.0)  # its pipe closed as it exited
@@ -193,7 +197,7 @@ class _Collection:
                     process.kill()
                     process.join(5.0)
         for index in self.pending():
-            self.outcomes[index].status = "interrupted" if self.stopping else "failed"
+            self.outcomes[index].status = self.cut_short()
             self.outcomes[index].error = "no report"
 
 
