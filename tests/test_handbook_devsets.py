@@ -149,6 +149,7 @@ def test_frozen_sets_are_unchanged():
     lines = (ROOT / "tests" / "handbook_frozen.sha256").read_text().split("\n")
     recorded = dict(reversed(line.split(None, 1)) for line in lines if line.strip())
     assert "tests/handbook_oos_frozen.yaml" in recorded
+    assert "tests/handbook_frozen30.yaml" in recorded
     for name, digest in recorded.items():
         assert hashlib.sha256((ROOT / name).read_bytes()).hexdigest() == digest, f"{name} changed since frozen"
 
