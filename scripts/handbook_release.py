@@ -29,6 +29,10 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from mleng.handbook.model import parse_entry, thread_url  # noqa: E402
+
 METHOD = Path("docs/handbook_method")
 ENTRIES = Path("src/mleng/handbook/entries")
 URL = re.compile(r"https?://[^\s'\"<>)`]+")
@@ -37,10 +41,6 @@ URL = re.compile(r"https?://[^\s'\"<>)`]+")
 def fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
-
-
-def norm(url: str) -> str:
-    return re.sub(r"#.*$", "", url).rstrip("/")
 
 
 def load(path: Path) -> list:
@@ -77,12 +77,21 @@ def collect_files(work: Path, rounds: tuple[str, ...]) -> list[Path]:
     return [p for p in names if p.exists()]
 
 
+def search_lines(paths: list[Path]) -> list[str]:
+    """The comment lines (each collector's searches) of collect files, each file under its name."""
+    out = []
+    for path in paths:
+        out.append(f"# file: {path.name}")
+        out += [line for line in path.read_text().splitlines() if line.startswith("#")]
+    return out
+
+
 def used_urls(root: Path, work: Path) -> int:
     urls = set()
     for path in (root / "tests").rglob("*"):
         if path.is_file():
             for url in URL.findall(path.read_text(errors="replace")):
-                url = re.sub(r"/+$", "", re.sub(r"[.,;:]+$", "", re.sub(r"#.*$", "", url)))
+                url = thread_url(re.sub(r"[.,;:]+$", "", url.split("#")[0]))
                 if url.startswith("http"):
                     urls.add(url)
     (work / "used_urls.txt").write_text("\n".join(sorted(urls)) + "\n")
@@ -101,11 +110,11 @@ def round_two(n: int, work: Path) -> tuple[int, int]:
     out = [(work / "prev_searches.txt").read_text().rstrip("\n"), f"# ---- set {n} round one ----"]
     urls = set((work / "used_urls.txt").read_text().split())
     cases = 0
-    for path in collect_files(work, ("collect_",)):
-        out.append(f"# file: {path.name}")
-        out += [line for line in path.read_text().splitlines() if line.startswith("#")]
+    round_one = collect_files(work, ("collect_",))
+    out += search_lines(round_one)
+    for path in round_one:
         for item in load(path):
-            urls.add(norm(item["source"]))
+            urls.add(thread_url(item["source"]))
             cases += 1
     (work / "prev_searches_r2.txt").write_text("\n".join(out) + "\n")
     (work / "used_urls_r2.txt").write_text("\n".join(sorted(urls)) + "\n")
@@ -116,9 +125,7 @@ def searches(root: Path, n: int, work: Path) -> Path:
     out = [f"# The searches frozen set {n}'s collectors wrote before running them (round one, then round two), "
            "by area;",
            "# the next set's collectors get them as prev_searches.txt so that every search of theirs differs."]
-    for path in collect_files(work, ("collect_", "collect_r2_")):
-        out.append(f"# file: {path.name}")
-        out += [line for line in path.read_text().splitlines() if line.startswith("#")]
+    out += search_lines(collect_files(work, ("collect_", "collect_r2_")))
     dest = root / METHOD / f"searches_set{n}.txt"
     dest.write_text("\n".join(out) + "\n")
     return dest
@@ -194,12 +201,12 @@ def relabel_pairs(root: Path, d: int, base: str, work: Path) -> tuple[int, int]:
     for flag, path in changed:
         if flag not in {"A", "M"}:
             continue
-        meta = yaml.safe_load((root / path).read_text().split("\n---", 1)[0].lstrip("-\n"))
-        for source in meta.get("sources", []):
-            cites.setdefault(norm(source), []).append((meta["id"], path in new))
+        entry = parse_entry(root / path)
+        for source in entry.sources:
+            cites.setdefault(thread_url(source), []).append((entry.id, path in new))
     pairs = []
     for case in load(root / "tests" / f"handbook_devset{d}.yaml"):
-        hit = cites.get(norm(case["source"]))
+        hit = cites.get(thread_url(case["source"]))
         if case["expected"] or not hit:
             continue
         ids = [i for i, _ in hit]
