@@ -6,7 +6,7 @@ rate on out-of-scope sets; a frozen set is checked against its recorded sha256 b
     python bench/handbook_eval.py --frozen --report-weight 0 --out /tmp/x.json   # ablation: no base rate
 
 A frozen set's queries carry no entry ids (they were collected before the entries they judge); their
-labels live in tests/handbook_frozen33_labels.yaml, joined by source URL. Prints a table; writes JSON.
+labels live in tests/handbook_frozen34_labels.yaml, joined by source URL. Prints a table; writes JSON.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from mleng.handbook.search import REPORT_WEIGHT, accepted_ids, search, words_onl
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
-FROZEN = TESTS / "handbook_frozen33.yaml"
+FROZEN = TESTS / "handbook_frozen34.yaml"
 FROZEN_OOS = TESTS / "handbook_oos_frozen.yaml"
-LABELS = TESTS / "handbook_frozen33_labels.yaml"
+LABELS = TESTS / "handbook_frozen34_labels.yaml"
 HASHES = TESTS / "handbook_frozen.sha256"
 
 

@@ -47,7 +47,8 @@ SNAPSHOTS = (("tests/handbook_devset9.yaml", "dd604c8"), ("tests/handbook_devset
              ("tests/handbook_devset31.yaml", "3b968f3"), ("tests/handbook_devset32.yaml", "5c3e92d"),
              ("tests/handbook_devset33.yaml", "2814c57"), ("tests/handbook_devset34.yaml", "3ba59f3"),
              ("tests/handbook_devset35.yaml", "bea1365"),
-             ("tests/handbook_devset36.yaml", "9db2c6a"))
+             ("tests/handbook_devset36.yaml", "9db2c6a"),
+             ("tests/handbook_devset37.yaml", "dff94d5"))
 DEFAULT_VARIANTS = (
     "BM25_K1=0.8", "BM25_K1=2.0", "BM25_B=0.5", "BM25_B=0.9",
     "COLUMN_WEIGHTS.title=10", "COLUMN_WEIGHTS.symptoms=6", "COLUMN_WEIGHTS.symptoms=14", "COLUMN_WEIGHTS.seen=6",
